@@ -1,0 +1,247 @@
+"""The model against the paper's definitions, computed independently (float64, CPU)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer.attention import MultiHeadAttention, record_attention
+from transformer.config import ConfigError, ModelConfig
+from transformer.layers import EncoderLayer, sinusoidal_table
+from transformer.model import Transformer
+
+PAD = 0
+
+
+def tiny(**overrides) -> Transformer:
+    cfg = dict(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**cfg, **overrides})).double().eval()
+
+
+def batch(b: int = 3, s: int = 7, t: int = 6, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, 40, (b, s), generator=g)
+    src[0, 4:] = PAD  # a padded source row
+    src[2, 6:] = PAD
+    tgt = torch.randint(4, 40, (b, t), generator=g)
+    return src, tgt
+
+
+def explicit_attention(x_q, x_kv, w_q, w_k, w_v, w_o, n_heads, n_kv_heads, mask):
+    """Eq. (1) and the multi-head concatenation, head by head, with plain loops."""
+    d_k = w_q.shape[0] // n_heads
+    d_v = w_v.shape[0] // n_kv_heads
+    group = n_heads // n_kv_heads
+    heads = []
+    for h in range(n_heads):
+        g = h // group  # the key/value head this query head shares
+        q = x_q @ w_q[h * d_k : (h + 1) * d_k].T
+        k = x_kv @ w_k[g * d_k : (g + 1) * d_k].T
+        v = x_kv @ w_v[g * d_v : (g + 1) * d_v].T
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ v)
+    return torch.cat(heads, dim=-1) @ w_o.T
+
+
+@pytest.mark.parametrize("kind", ["encoder_self", "decoder_self", "cross"])
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 8, 8, n_kv_heads, 0.0, kind).double().eval()
+    attn.reset_parameters()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    memory = torch.randn(2, 7, 32, dtype=torch.float64)
+    key_mask = torch.ones(2, 7 if kind == "cross" else 5, dtype=torch.bool)
+    key_mask[1, -2:] = False
+    if kind == "cross":
+        w_q, (w_k, w_v) = attn.w_q.weight, attn.w_kv.weight.split(attn.splits[1:])
+        kv_in, mask = memory, key_mask[:, None, :]
+    else:
+        w_q, w_k, w_v = attn.w_qkv.weight.split(attn.splits)
+        kv_in = x
+        mask = torch.ones(5, 5, dtype=torch.bool).tril()[None] if kind == "decoder_self" else key_mask[:, None]
+    expected = explicit_attention(x, kv_in, w_q, w_k, w_v, attn.w_o.weight, 4, n_kv_heads, mask)
+    key_arg = None if kind == "decoder_self" else key_mask
+    fast = attn(x, memory, key_mask=key_arg)[0]
+    with record_attention() as records:
+        reference = attn(x, memory, key_mask=key_arg)[0]
+    assert len(records) == 1 and records[0].kind == kind
+    torch.testing.assert_close(fast, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(reference, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_whole_model_sdpa_equals_reference_path():
+    model = tiny(n_kv_heads=2)
+    src, tgt = batch()
+    fast = model(src, tgt)
+    with record_attention() as records:
+        reference = model(src, tgt)
+    kinds = sorted({(r.kind, r.layer) for r in records})
+    assert kinds == sorted((k, i) for k in ("encoder_self", "decoder_self", "cross") for i in range(2))
+    torch.testing.assert_close(fast, reference, rtol=1e-10, atol=1e-10)
+
+
+def test_causal_mask_future_targets_never_change_earlier_outputs():
+    model = tiny()
+    src, tgt = batch()
+    out = model(src, tgt)
+    for t in range(tgt.size(1) - 1):
+        changed = tgt.clone()
+        changed[:, t + 1 :] = torch.randint(4, 40, changed[:, t + 1 :].shape)
+        out2 = model(src, changed)
+        torch.testing.assert_close(out2[:, : t + 1], out[:, : t + 1], rtol=0, atol=1e-12)
+        assert not torch.allclose(out2[:, t + 1 :], out[:, t + 1 :])  # the change is visible later
+
+
+def test_padding_gets_zero_weight_and_pad_contents_do_not_matter():
+    model = tiny()
+    src, tgt = batch()
+    pad = src == PAD
+    with record_attention() as records:
+        out = model(src, tgt)
+    for r in records:
+        if r.kind in ("encoder_self", "cross"):
+            assert (r.weights.masked_select(pad[:, None, None, :].expand_as(r.weights)) == 0).all()
+    # What sits at padded positions (and their embeddings) never reaches real positions.
+    other = src.masked_fill(pad, 7)
+    mask = src != PAD
+    memory = model.encode(src)
+    memory_other = model.encode(other, mask)
+    torch.testing.assert_close(memory_other[mask], memory[mask], rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.decode(tgt, memory_other, mask), out, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}, {"norm_first": True}, {"positional": "learned"}])
+def test_cached_incremental_decoding_equals_full_decoder(overrides):
+    model = tiny(**overrides)
+    src, tgt = batch()
+    mask = model.src_mask(src)
+    memory = model.encode(src, mask)
+    full = model.decode(tgt, memory, mask)
+    cache = None
+    for t in range(tgt.size(1)):
+        step, cache = model.decode_step(tgt[:, t : t + 1], memory, mask, cache)
+        assert cache.length == t + 1
+        torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
+    # A prefix of several tokens at once, then one more step, also matches.
+    prefix, cache = model.decode_step(tgt[:, :3], memory, mask)
+    rest, _ = model.decode_step(tgt[:, 3:], memory, mask, cache)
+    torch.testing.assert_close(torch.cat([prefix, rest], 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_cache_select_reorders_rows():
+    model = tiny()
+    src, tgt = batch()
+    mask = model.src_mask(src)
+    memory = model.encode(src, mask)
+    _, cache = model.decode_step(tgt[:, :2], memory, mask)
+    index = torch.tensor([2, 0, 0])
+    step, _ = model.decode_step(tgt[index, 2:3], memory[index], mask[index], cache.select(index))
+    torch.testing.assert_close(step[:, 0], model.decode(tgt[index, :3], memory[index], mask[index])[:, 2])
+
+
+@pytest.mark.parametrize(
+    "overrides, paper_millions",
+    [({}, 65), ({"d_model": 1024, "d_ff": 4096, "n_heads": 16, "dropout": 0.3}, 213)],
+)
+def test_parameter_counts_match_table3(overrides, paper_millions):
+    model = Transformer(ModelConfig(vocab_size=37000, **overrides))
+    # Independent count: shared embedding + per layer 4 (enc) / 8 (dec) d^2 attention matrices, FFN, norms.
+    d, f, n = model.cfg.d_model, model.cfg.d_ff, model.cfg.n_layers
+    ffn = 2 * d * f + f + d
+    expected = 37000 * d + n * (4 * d * d + ffn + 2 * 2 * d) + n * (8 * d * d + ffn + 3 * 2 * d)
+    assert model.num_parameters() == expected
+    assert abs(expected / 1e6 - paper_millions) / paper_millions < 0.05
+
+
+def test_embeddings_and_output_projection_share_one_tensor():
+    model = tiny()
+    src, tgt = batch()
+    weight = model.embed.tokens.weight
+    assert model.embed.weight is weight
+    assert sum(p.data_ptr() == weight.data_ptr() for p in model.parameters()) == 1
+    states = model.decoder_states(tgt, model.encode(src), model.src_mask(src))
+    torch.testing.assert_close(model.project(states), states @ weight.T)
+    emb = model.embed.tokens(src[:1, :3])
+    torch.testing.assert_close(emb, weight[src[:1, :3]])
+
+
+def test_sinusoidal_positional_encoding_formula():
+    table = sinusoidal_table(50, 16)
+    for pos in (0, 1, 17, 49):
+        for i in range(8):
+            angle = pos / 10000 ** (2 * i / 16)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_embedding_scale_and_dropout_free_sum():
+    model = tiny()
+    src, _ = batch()
+    expected = model.embed.tokens(src) * math.sqrt(32) + sinusoidal_table(1024, 32)[: src.size(1)].double()
+    torch.testing.assert_close(model.embed(src), expected)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_residual_and_layer_norm_placement(norm_first):
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=1, dropout=0.0, norm_first=norm_first)
+    torch.manual_seed(0)
+    layer = EncoderLayer(cfg, 0).double().eval()
+    for p in layer.parameters():  # non-trivial norms so that a misplaced norm shows
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+
+    def attn(h):
+        return layer.self_attn(h, key_mask=mask)[0]
+
+    def ffn(h):
+        return layer.ffn.w_2(F.relu(layer.ffn.w_1(h)))
+
+    ln1, ln2 = layer.res_attn.norm, layer.res_ffn.norm
+    if norm_first:  # x + Sublayer(LayerNorm(x))
+        h = x + attn(ln1(x))
+        expected = h + ffn(ln2(h))
+    else:  # LayerNorm(x + Sublayer(x)), the paper
+        h = ln1(x + attn(x))
+        expected = ln2(h + ffn(h))
+    torch.testing.assert_close(layer(x, mask), expected)
+    model = tiny(norm_first=norm_first)
+    assert isinstance(model.encoder_norm, torch.nn.LayerNorm) == norm_first
+    assert isinstance(model.decoder_norm, torch.nn.LayerNorm) == norm_first
+
+
+def test_initialisation():
+    model = Transformer(ModelConfig(vocab_size=5000, d_model=256, n_heads=4, d_ff=1024, n_layers=1))
+    std = model.embed.weight.std().item()
+    assert std == pytest.approx(256**-0.5, rel=0.05)
+    w = model.encoder[0].self_attn.w_qkv.weight
+    for block in w.split(model.encoder[0].self_attn.splits):  # Xavier per projection: U(-a, a)
+        bound = math.sqrt(6 / (256 + 256))
+        assert block.abs().max().item() <= bound and block.abs().max().item() > 0.95 * bound
+    assert (model.encoder[0].ffn.w_1.bias == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"d_model": 500, "n_heads": 8}, "d_model=500 is not divisible by n_heads=8"),
+        ({"n_kv_heads": 3}, "n_heads=8 must be a multiple of n_kv_heads=3"),
+        ({"dropout": 1.5}, "model.dropout=1.5"),
+        ({"positional": "rotary"}, "model.positional='rotary'"),
+    ],
+)
+def test_invalid_model_config_gives_clear_message(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**kwargs)
+
+
+def test_key_size_can_differ_from_d_model_over_h():
+    """Table 3, row (B): d_k = 16 with h = 8 and d_model = 512."""
+    model = tiny(d_k=4, d_v=4)
+    src, tgt = batch()
+    assert model(src, tgt).shape == (3, 6, 40)
+    assert model.encoder[0].self_attn.w_qkv.weight.shape == (3 * 4 * 4, 32)

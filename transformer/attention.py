@@ -1,0 +1,170 @@
+"""Multi-head attention (§3.2), one module for all three uses in the model (§3.2.3).
+
+- encoder self-attention: queries, keys and values from the encoder; padded keys masked;
+- decoder self-attention: causal (position i sees positions <= i), incremental with a K/V cache;
+- encoder-decoder (cross) attention: queries from the decoder, keys/values from the encoder output.
+
+Two interchangeable paths compute Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V (Eq. 1):
+the fast path, `torch.nn.functional.scaled_dot_product_attention` (fused kernels on GPU), and the
+reference path, written out explicitly, which also yields the attention weights. Inside
+`record_attention()` every call takes the reference path and its weights are collected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class AttentionRecord:
+    """The weights of one attention call: (B, H, T_q, T_k)."""
+
+    kind: str  # "encoder_self" | "decoder_self" | "cross"
+    layer: int
+    weights: Tensor
+
+
+_recorder: list[AttentionRecord] | None = None
+
+
+@contextmanager
+def record_attention() -> Iterator[list[AttentionRecord]]:
+    """Run the block with the reference path everywhere, collecting every attention's weights."""
+    global _recorder
+    previous, _recorder = _recorder, []
+    try:
+        yield _recorder
+    finally:
+        _recorder = previous
+
+
+@dataclass
+class KV:
+    """Projected keys and values, (B, H_kv, T, d_k) and (B, H_kv, T, d_v)."""
+
+    k: Tensor
+    v: Tensor
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Eq. (1) written out. q: (B, H, T_q, d_k); k, v: (B, H, T_k, d); mask broadcasts to
+    (B, H, T_q, T_k), True = may attend. Returns the output (B, H, T_q, d_v) and the weights."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, T_q, T_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1)
+    return F.dropout(weights, dropout) @ v, weights
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
+    """(T_q, T_k) bool, True = may attend; the queries are the last T_q of T_k positions."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    The projections have no bias, as in §3.2.2. For self-attention the three input projections are
+    one matrix (one matmul instead of three). `n_kv_heads < n_heads` shares each key/value head
+    among a group of query heads (grouped-query attention; not in the paper, which has n_kv_heads = h).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_k: int,
+        d_v: int,
+        n_kv_heads: int,
+        dropout: float,
+        kind: str,
+        layer: int = 0,
+    ) -> None:
+        super().__init__()
+        assert kind in ("encoder_self", "decoder_self", "cross")
+        self.n_heads, self.n_kv_heads, self.d_k, self.d_v = n_heads, n_kv_heads, d_k, d_v
+        self.dropout, self.kind, self.layer = dropout, kind, layer
+        self.splits = [n_heads * d_k, n_kv_heads * d_k, n_kv_heads * d_v]  # Q | K | V output widths
+        if kind == "cross":
+            self.w_q = nn.Linear(d_model, self.splits[0], bias=False)
+            self.w_kv = nn.Linear(d_model, self.splits[1] + self.splits[2], bias=False)
+        else:
+            self.w_qkv = nn.Linear(d_model, sum(self.splits), bias=False)
+        self.w_o = nn.Linear(n_heads * d_v, d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform for each of W^Q, W^K, W^V, W^O separately, even where they are fused."""
+        with torch.no_grad():
+            if self.kind == "cross":
+                blocks = [self.w_q.weight, *self.w_kv.weight.split(self.splits[1:])]
+            else:
+                blocks = list(self.w_qkv.weight.split(self.splits))
+            for block in [*blocks, self.w_o.weight]:
+                nn.init.xavier_uniform_(block)
+
+    def _heads(self, x: Tensor, n_heads: int) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n_heads, -1).transpose(1, 2)  # (B, H, T, d)
+
+    def project_kv(self, memory: Tensor) -> KV:
+        """Keys and values of cross-attention, computed once per source sentence."""
+        k, v = self.w_kv(memory).split(self.splits[1:], dim=-1)
+        return KV(self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads))
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        past: KV | None = None,
+    ) -> tuple[Tensor, KV | None]:
+        """x: (B, T_q, d_model) queries (and keys/values for self-attention).
+
+        memory: (B, T_k, d_model) encoder output (cross-attention), or a ready `past` KV for it.
+        key_mask: (B, T_k) bool, True = a real token (keys at False are never attended to).
+        past: decoder self-attention cache; the new keys/values are appended and the grown KV returned.
+        """
+        if self.kind == "cross":
+            q = self._heads(self.w_q(x), self.n_heads)  # (B, H, T_q, d_k)
+            kv = past if past is not None else self.project_kv(memory)
+        else:
+            q, k, v = self.w_qkv(x).split(self.splits, dim=-1)
+            q = self._heads(q, self.n_heads)  # (B, H, T_q, d_k)
+            kv = KV(self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads))  # (B, H_kv, T, d)
+            if past is not None:
+                kv = KV(torch.cat([past.k, kv.k], dim=2), torch.cat([past.v, kv.v], dim=2))
+        out = self._attend(q, kv, key_mask)  # (B, H, T_q, d_v)
+        b, _, t_q, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_v)  # (B, T_q, H * d_v)
+        keep = self.kind == "cross" or past is not None
+        return self.w_o(out), kv if keep else None
+
+    def _attend(self, q: Tensor, kv: KV, key_mask: Tensor | None) -> Tensor:
+        t_q, t_k = q.size(2), kv.k.size(2)
+        causal = self.kind == "decoder_self"
+        p = self.dropout if self.training else 0.0
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, T_k)
+        if _recorder is not None or (causal and t_q > 1 and t_q != t_k):
+            if causal and t_q > 1:
+                cm = causal_mask(t_q, t_k, q.device)
+                mask = cm if mask is None else mask & cm
+            group = self.n_heads // self.n_kv_heads
+            k, v = kv.k.repeat_interleave(group, dim=1), kv.v.repeat_interleave(group, dim=1)
+            out, weights = reference_attention(q, k, v, mask, p)
+            if _recorder is not None:
+                _recorder.append(AttentionRecord(self.kind, self.layer, weights.detach()))
+            return out
+        is_causal = causal and t_q > 1  # a single new query may see every cached key
+        return F.scaled_dot_product_attention(
+            q, kv.k, kv.v, attn_mask=mask, dropout_p=p, is_causal=is_causal,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )

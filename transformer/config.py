@@ -1,0 +1,233 @@
+"""Typed configuration, validated on construction.
+
+One dataclass per concern; each component receives only its own slice. The package never imports
+Hydra: the command-line apps compose YAML with Hydra and hand plain dicts to `from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake, reported before any heavy work starts."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    """The Transformer's shape (§3, Table 3). Defaults are the paper's base model."""
+
+    vocab_size: int = 37000  # shared source/target BPE vocabulary (§5.1)
+    d_model: int = 512
+    n_heads: int = 8  # h
+    d_ff: int = 2048
+    n_layers: int = 6  # N, for both the encoder and the decoder stack
+    dropout: float = 0.1  # P_drop (§5.4): sub-layer outputs and embedding sums
+    d_k: int | None = None  # per-head key/query size; None = d_model / h (Table 3, rows A-B vary it)
+    d_v: int | None = None  # per-head value size; None = d_model / h
+    # Deviations from the paper, each a named switch:
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads (the paper)
+    norm_first: bool = False  # pre-LN; the paper is post-LN: LayerNorm(x + Dropout(Sublayer(x)))
+    positional: str = "sinusoidal"  # "learned" = Table 3, row E
+    attention_dropout: float = 0.0  # dropout on attention weights; the paper has none
+    max_positions: int = 1024  # longest sequence the positional table covers
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
+            _check(getattr(self, name) > 0, f"model.{name}={getattr(self, name)} must be positive")
+        if self.d_k is None or self.d_v is None:
+            _check(
+                self.d_model % self.n_heads == 0,
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "change one of them or set model.d_k and model.d_v explicitly",
+            )
+        if self.d_k is None:
+            self.d_k = self.d_model // self.n_heads
+        if self.d_v is None:
+            self.d_v = self.d_model // self.n_heads
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _check(self.d_k > 0 and self.d_v > 0, f"d_k={self.d_k} and d_v={self.d_v} must be positive")
+        _check(
+            0 < self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0,
+            f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}",
+        )
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
+        _check(
+            0.0 <= self.attention_dropout < 1.0,
+            f"model.attention_dropout={self.attention_dropout} must be in [0, 1)",
+        )
+        _check(
+            self.positional in ("sinusoidal", "learned"),
+            f"model.positional={self.positional!r} must be 'sinusoidal' or 'learned'",
+        )
+        _check(
+            0 <= self.pad_id < self.vocab_size,
+            f"model.pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}",
+        )
+
+
+@dataclass
+class ToyConfig:
+    """Sizes of the built-in synthetic corpus (data.source=toy)."""
+
+    n_train: int = 50000
+    n_valid: int = 1000
+    n_test: int = 1000
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("n_train", "n_valid", "n_test"):
+            _check(getattr(self, name) > 0, f"data.toy.{name}={getattr(self, name)} must be positive")
+
+
+@dataclass
+class DataConfig:
+    """A corpus and how it is prepared (§5.1): source -> clean -> shared BPE -> binary shards."""
+
+    name: str = "multi30k"
+    source: str = "local"  # "hf" (Hugging Face datasets) | "local" (text files) | "toy" (synthetic)
+    path: str | None = None  # directory of local files (source=local) or a saved HF dataset
+    hf_dataset: str | None = None  # e.g. "wmt14"
+    hf_config: str | None = None  # e.g. "de-en"
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    # role -> the split's name in the source; roles are train, valid, test
+    splits: dict[str, str] = field(
+        default_factory=lambda: {"train": "train", "valid": "validation", "test": "test"}
+    )
+    dir: str = "data/multi30k"  # where tokenizer, shards and meta.json are written
+    vocab_size: int = 37000  # shared BPE vocabulary (§5.1: about 37,000)
+    spm_sample_size: int = 2_000_000  # sentences (both sides together) to learn BPE from
+    max_tokens_per_sentence: int = 250  # training pairs with a longer side are dropped
+    max_length_ratio: float = 3.0  # training pairs whose piece counts differ more are dropped
+    num_workers: int = 2
+    force: bool = False
+    toy: ToyConfig = field(default_factory=ToyConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.source in ("hf", "local", "toy"),
+            f"data.source={self.source!r} must be one of 'hf', 'local', 'toy'",
+        )
+        _check(self.src_lang != self.tgt_lang, f"data.src_lang and data.tgt_lang are both {self.src_lang!r}")
+        _check("train" in self.splits, "data.splits must name a 'train' split")
+        _check(self.vocab_size >= 16, f"data.vocab_size={self.vocab_size} is too small")
+        _check(self.max_tokens_per_sentence > 0, "data.max_tokens_per_sentence must be positive")
+        _check(self.max_length_ratio >= 1.0, "data.max_length_ratio must be at least 1")
+        _check(self.num_workers >= 1, "data.num_workers must be at least 1")
+        if self.source == "local":
+            _check(self.path is not None, "data.source=local needs data.path=<directory of text files>")
+        if self.source == "hf":
+            _check(
+                self.hf_dataset is not None or self.path is not None,
+                "data.source=hf needs data.hf_dataset=<hub name> or data.path=<saved dataset>",
+            )
+
+
+@dataclass
+class OptimConfig:
+    """Adam, the warmup/inverse-square-root schedule (Eq. 3, §5.3) and label smoothing (§5.4)."""
+
+    lr_scale: float = 1.0  # multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    warmup_steps: int = 4000
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1  # eps_ls
+    clip_grad_norm: float = 0.0  # 0 = no clipping (the paper clips nothing)
+
+    def __post_init__(self) -> None:
+        _check(self.lr_scale > 0, f"optim.lr_scale={self.lr_scale} must be positive")
+        _check(self.warmup_steps > 0, f"optim.warmup_steps={self.warmup_steps} must be positive")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+        _check(self.eps > 0, "optim.eps must be positive")
+        _check(0.0 <= self.label_smoothing < 1.0, "optim.label_smoothing must be in [0, 1)")
+        _check(self.clip_grad_norm >= 0, "optim.clip_grad_norm must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class TrainerConfig:
+    """How long, how big a step, where to write, and on what device."""
+
+    run_dir: str = "runs/default"
+    max_steps: int = 100000  # optimizer steps (base: 100k, big: 300k)
+    tokens_per_step: int = 25000  # target tokens per optimizer step (§5.2: ~25k source + ~25k target)
+    max_tokens: int = 4096  # padded tokens per batch per rank; accumulation makes up the rest
+    pad_to_multiple: int = 8  # pad batch lengths so shapes repeat (fewer recompiles, aligned matmuls)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
+    compile: bool = False
+    save_every_steps: int = 1000
+    save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
+    keep_last: int = 20
+    eval_every_steps: int = 1000
+    log_every_steps: int = 100
+    resume: str = "auto"  # "auto" (newest valid checkpoint in run_dir) | "never" | a checkpoint path
+    max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
+    seed: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "tokens_per_step", "max_tokens", "keep_last", "log_every_steps"):
+            _check(getattr(self, name) > 0, f"trainer.{name}={getattr(self, name)} must be positive")
+        _check(self.pad_to_multiple >= 1, "trainer.pad_to_multiple must be at least 1")
+        _check(
+            self.precision in ("auto", "fp32", "bf16"),
+            f"trainer.precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
+        )
+        _check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            f"trainer.device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
+        )
+
+    def grad_accum(self, world_size: int) -> int:
+        """Batches per rank per optimizer step, so that max_tokens x accum x ranks >= tokens_per_step."""
+        return max(1, math.ceil(self.tokens_per_step / (self.max_tokens * world_size)))
+
+
+@dataclass
+class TrainConfig:
+    """Everything `train.py` needs."""
+
+    name: str = "default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from nested plain dicts, rejecting unknown keys by name."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or cls.__name__} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(where + k for k in unknown)}; known: {', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for key, value in values.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = from_dict(hint, value, f"{where}{key}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The inverse of `from_dict`: plain, JSON- and checkpoint-friendly values."""
+    return dataclasses.asdict(obj)

@@ -1,0 +1,141 @@
+"""The Transformer (§3, Figure 1): an encoder stack and a decoder stack of N layers each, with one
+shared embedding matrix for source tokens, target tokens and the pre-softmax projection (§3.4).
+
+    memory = model.encode(src, src_mask)                        # (B, S, d_model)
+    logits = model.decode(tgt_in, memory, src_mask)             # (B, T, vocab), teacher forcing
+    logits, cache = model.decode_step(tokens, memory, src_mask, cache)  # incremental decoding
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from transformer.attention import KV, MultiHeadAttention
+from transformer.config import ModelConfig
+from transformer.layers import DecoderLayer, Embeddings, EncoderLayer
+
+
+@dataclass
+class DecoderCache:
+    """Incremental decoding state, passed in and returned explicitly.
+
+    self_kv: per layer, decoder self-attention keys/values of every position so far, (B, H_kv, t, d);
+    cross_kv: per layer, encoder-decoder keys/values, computed once per source, (B, H_kv, S, d).
+    """
+
+    self_kv: list[KV | None] = field(default_factory=list)
+    cross_kv: list[KV | None] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        """Target positions already decoded."""
+        return 0 if not self.self_kv or self.self_kv[0] is None else self.self_kv[0].k.size(2)
+
+    def select(self, index: Tensor, cross: bool = True) -> DecoderCache:
+        """Keep batch rows `index` (B',), e.g. to reorder beams or drop finished sentences.
+
+        `cross=False` leaves the cross-attention keys/values alone: they are the same for every beam
+        of one sentence, so a reorder within each sentence's beams need not copy them.
+        """
+
+        def pick(kv: KV | None) -> KV | None:
+            return None if kv is None else KV(kv.k.index_select(0, index), kv.v.index_select(0, index))
+
+        return DecoderCache(
+            [pick(kv) for kv in self.self_kv],
+            [pick(kv) for kv in self.cross_kv] if cross else list(self.cross_kv),
+        )
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embeddings(cfg)  # shared by encoder input, decoder input and output (§3.4)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        # Pre-LN leaves the last residual stream un-normalized; post-LN (the paper) already ends in LayerNorm.
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform linear weights, zero biases; embeddings N(0, d_model^-0.5).
+
+        The embedding scale keeps the tied output projection's logits O(1) while the
+        x sqrt(d_model) of §3.4 brings the input embeddings to unit scale.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        for module in self.modules():  # after the loop above, which saw fused projections whole
+            if isinstance(module, MultiHeadAttention):
+                module.reset_parameters()  # Xavier per projection, even where fused
+        for embedding in (self.embed.tokens, self.embed.learned):
+            if embedding is not None:
+                nn.init.normal_(embedding.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+
+    def src_mask(self, src: Tensor) -> Tensor:
+        """(B, S) bool, True = a real (non-pad) source token."""
+        return src != self.cfg.pad_id
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """src: (B, S) token ids -> memory (B, S, d_model)."""
+        src_mask = self.src_mask(src) if src_mask is None else src_mask
+        x = self.embed(src)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x)
+
+    def decoder_states(self, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Teacher forcing: tgt (B, T) decoder inputs -> final decoder states (B, T, d_model)."""
+        y = self.embed(tgt)
+        for layer in self.decoder:
+            y = layer(y, memory, src_mask)[0]
+        return self.decoder_norm(y)
+
+    def project(self, states: Tensor) -> Tensor:
+        """Pre-softmax linear transformation with the shared embedding matrix: (B, T, d) -> (B, T, V)."""
+        return states @ self.embed.weight.t()
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """tgt: (B, T) decoder inputs ([BOS] + y_<t) -> logits (B, T, V) over the next token."""
+        return self.project(self.decoder_states(tgt, memory, src_mask))
+
+    def decode_step(
+        self, tokens: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None
+    ) -> tuple[Tensor, DecoderCache]:
+        """Incremental decoding: tokens (B, t) that follow the `cache.length` positions already seen.
+
+        Returns logits (B, t, V) and the grown cache (the input cache is left unchanged).
+        """
+        cache = cache if cache is not None else DecoderCache()
+        n = len(self.decoder)
+        self_kv = cache.self_kv or [None] * n
+        cross_kv = cache.cross_kv or [None] * n
+        y = self.embed(tokens, offset=cache.length)
+        new_self, new_cross = [], []
+        for layer, past, cross in zip(self.decoder, self_kv, cross_kv):
+            if past is None:  # first step: an empty cache of the right shape
+                attn = layer.self_attn
+                empty = y.new_zeros(y.size(0), attn.n_kv_heads, 0, attn.d_k)
+                past = KV(empty, y.new_zeros(y.size(0), attn.n_kv_heads, 0, attn.d_v))
+            y, past, cross = layer(y, memory, src_mask, self_past=past, cross_kv=cross)
+            new_self.append(past)
+            new_cross.append(cross)
+        return self.project(self.decoder_norm(y)), DecoderCache(new_self, new_cross)
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Training: src (B, S), tgt (B, T) decoder inputs -> logits (B, T, V)."""
+        src_mask = self.src_mask(src)
+        return self.decode(tgt, self.encode(src, src_mask), src_mask)
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (the shared embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
