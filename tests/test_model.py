@@ -62,7 +62,9 @@ def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads):
     else:
         w_q, w_k, w_v = attn.w_qkv.weight.split(attn.splits)
         kv_in = x
-        mask = torch.ones(5, 5, dtype=torch.bool).tril()[None] if kind == "decoder_self" else key_mask[:, None]
+        mask = (
+            torch.ones(5, 5, dtype=torch.bool).tril()[None] if kind == "decoder_self" else key_mask[:, None]
+        )
     expected = explicit_attention(x, kv_in, w_q, w_k, w_v, attn.w_o.weight, 4, n_kv_heads, mask)
     key_arg = None if kind == "decoder_self" else key_mask
     fast = attn(x, memory, key_mask=key_arg)[0]
@@ -114,7 +116,9 @@ def test_padding_gets_zero_weight_and_pad_contents_do_not_matter():
     torch.testing.assert_close(model.decode(tgt, memory_other, mask), out, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}, {"norm_first": True}, {"positional": "learned"}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"n_kv_heads": 1}, {"norm_first": True}, {"positional": "learned"}]
+)
 def test_cached_incremental_decoding_equals_full_decoder(overrides):
     model = tiny(**overrides)
     src, tgt = batch()
@@ -187,7 +191,9 @@ def test_embedding_scale_and_dropout_free_sum():
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_residual_and_layer_norm_placement(norm_first):
-    cfg = ModelConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=1, dropout=0.0, norm_first=norm_first)
+    cfg = ModelConfig(
+        vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=1, dropout=0.0, norm_first=norm_first
+    )
     torch.manual_seed(0)
     layer = EncoderLayer(cfg, 0).double().eval()
     for p in layer.parameters():  # non-trivial norms so that a misplaced norm shows

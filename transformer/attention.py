@@ -165,6 +165,11 @@ class MultiHeadAttention(nn.Module):
             return out
         is_causal = causal and t_q > 1  # a single new query may see every cached key
         return F.scaled_dot_product_attention(
-            q, kv.k, kv.v, attn_mask=mask, dropout_p=p, is_causal=is_causal,
+            q,
+            kv.k,
+            kv.v,
+            attn_mask=mask,
+            dropout_p=p,
+            is_causal=is_causal,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )

@@ -198,6 +198,22 @@ class TrainerConfig:
 
 
 @dataclass
+class FinishConfig:
+    """What `train.py` does once training ends (rank 0): average, evaluate, show translations."""
+
+    average_last: int = 0  # average the last K checkpoints (§6.1: 5 for base, 20 for big); 0 = skip
+    evaluate_split: str | None = None  # role ("valid", "test") to score with BLEU; None = skip
+    examples: list[str] = field(default_factory=list)  # sentences to translate and print
+    attention_text: str | None = None  # write attention heatmaps for this sentence
+    beam_size: int = 4  # §6.1
+    alpha: float = 0.6  # length penalty, §6.1
+
+    def __post_init__(self) -> None:
+        _check(self.average_last >= 0, "finish.average_last must be >= 0")
+        _check(self.beam_size >= 1, "finish.beam_size must be >= 1")
+
+
+@dataclass
 class TrainConfig:
     """Everything `train.py` needs."""
 
@@ -206,6 +222,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    finish: FinishConfig = field(default_factory=FinishConfig)
 
 
 def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:

@@ -70,7 +70,8 @@ class Residual(nn.Module):
     """A sub-layer's residual connection and layer normalization (§3.1, §5.4).
 
     Post-LN, the paper: LayerNorm(x + Dropout(Sublayer(x))).
-    Pre-LN (`norm_first`, a deviation that trains deep stacks more stably): x + Dropout(Sublayer(LayerNorm(x))).
+    Pre-LN (`norm_first`, a deviation that trains deep stacks more stably):
+    x + Dropout(Sublayer(LayerNorm(x))).
     """
 
     def __init__(self, d_model: int, dropout: float, norm_first: bool) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from transformer.attention import KV, MultiHeadAttention
@@ -138,4 +137,3 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         """Distinct parameters (the shared embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
-

@@ -53,7 +53,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     if path.is_dir():
-        raise CheckpointError(f"{path} is a directory; pass a checkpoint file (e.g. {path}/checkpoint_last.pt)")
+        raise CheckpointError(
+            f"{path} is a directory; pass a checkpoint file (e.g. {path}/checkpoint_last.pt)"
+        )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt or not a torch file at all
