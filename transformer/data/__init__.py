@@ -1,0 +1,1 @@
+"""Corpus sources, tokenizer, binarization and batching."""
