@@ -95,18 +95,20 @@ class ToyConfig:
 class DataConfig:
     """A corpus and how it is prepared (§5.1): source -> clean -> shared BPE -> binary shards."""
 
-    name: str = "multi30k"
-    source: str = "local"  # "hf" (Hugging Face datasets) | "local" (text files) | "toy" (synthetic)
-    path: str | None = None  # directory of local files (source=local) or a saved HF dataset
-    hf_dataset: str | None = None  # e.g. "wmt14"
-    hf_config: str | None = None  # e.g. "de-en"
+    name: str = "wmt14_en_de"
+    source: str = "hf"  # "hf" (Hugging Face datasets) | "local" (text files) | "toy" (synthetic)
+    path: str | None = None  # directory of local files (source=local) or a saved HF dataset (source=hf)
+    hf_dataset: str | None = "wmt/wmt14"  # hub name, for source=hf without data.path
+    hf_config: str | None = "de-en"
     src_lang: str = "en"
     tgt_lang: str = "de"
-    # role -> the split's name in the source; roles are train, valid, test
+    # role -> the split's name in the source; roles are train (required), valid, test
     splits: dict[str, str] = field(
         default_factory=lambda: {"train": "train", "valid": "validation", "test": "test"}
     )
-    dir: str = "data/multi30k"  # where tokenizer, shards and meta.json are written
+    # role -> file stem <path>/<stem>.<lang>[.gz] for source=local; None = the same names as `splits`
+    local_splits: dict[str, str] | None = None
+    dir: str = "data/wmt14_en_de"  # where tokenizer, shards and meta.json are written
     vocab_size: int = 37000  # shared BPE vocabulary (§5.1: about 37,000)
     spm_sample_size: int = 2_000_000  # sentences (both sides together) to learn BPE from
     max_tokens_per_sentence: int = 250  # training pairs with a longer side are dropped
@@ -121,7 +123,18 @@ class DataConfig:
             f"data.source={self.source!r} must be one of 'hf', 'local', 'toy'",
         )
         _check(self.src_lang != self.tgt_lang, f"data.src_lang and data.tgt_lang are both {self.src_lang!r}")
-        _check("train" in self.splits, "data.splits must name a 'train' split")
+        for key in ("splits", "local_splits"):
+            names = getattr(self, key) or {"train": "train"}
+            _check("train" in names, f"data.{key} must name a 'train' split")
+            unknown = sorted(set(names) - {"train", "valid", "test"})
+            _check(not unknown, f"data.{key} has unknown role(s) {unknown}; roles are train, valid, test")
+        _check(self.spm_sample_size > 0, "data.spm_sample_size must be positive")
+        _check(bool(self.dir), "data.dir must name a directory")
+        if self.source == "toy":
+            _check(
+                {self.src_lang, self.tgt_lang} == {"en", "de"},
+                "data.source=toy is English-German: data.src_lang and data.tgt_lang must be 'en' and 'de'",
+            )
         _check(self.vocab_size >= 16, f"data.vocab_size={self.vocab_size} is too small")
         _check(self.max_tokens_per_sentence > 0, "data.max_tokens_per_sentence must be positive")
         _check(self.max_length_ratio >= 1.0, "data.max_length_ratio must be at least 1")
@@ -169,19 +182,30 @@ class TrainerConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     compile: bool = False
-    save_every_steps: int = 1000
+    save_every_steps: int = 1000  # 0 = off
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
     keep_last: int = 20
-    eval_every_steps: int = 1000
+    eval_every_steps: int = 1000  # validation loss on the `valid` split; 0 = off
     log_every_steps: int = 100
     resume: str = "auto"  # "auto" (newest valid checkpoint in run_dir) | "never" | a checkpoint path
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
     seed: int = 1
     progress: bool = True
+    dist_timeout_minutes: float = 15.0  # a collective waiting longer (a peer died) fails instead of hanging
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "tokens_per_step", "max_tokens", "keep_last", "log_every_steps"):
+        for name in (
+            "max_steps",
+            "tokens_per_step",
+            "max_tokens",
+            "keep_last",
+            "log_every_steps",
+            "max_nonfinite_steps",
+            "dist_timeout_minutes",
+        ):
             _check(getattr(self, name) > 0, f"trainer.{name}={getattr(self, name)} must be positive")
+        for name in ("save_every_steps", "save_every_minutes", "eval_every_steps"):
+            _check(getattr(self, name) >= 0, f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
         _check(self.pad_to_multiple >= 1, "trainer.pad_to_multiple must be at least 1")
         _check(
             self.precision in ("auto", "fp32", "bf16"),
@@ -223,6 +247,75 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     finish: FinishConfig = field(default_factory=FinishConfig)
+
+
+@dataclass
+class DecodeConfig:
+    """A checkpoint and how to decode with it (§6.1): beam 4, alpha 0.6, max output = input + 50."""
+
+    checkpoint: str | None = None  # a checkpoint file (it carries its tokenizer)
+    beam_size: int = 4  # 1 = greedy search (no length penalty)
+    alpha: float = 0.6  # GNMT length penalty exponent
+    max_len_a: float = 1.0  # maximum output length = max_len_a * source tokens + max_len_b
+    max_len_b: int = 50
+    max_tokens: int = 4096  # padded source tokens per batch
+    device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
+    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
+
+    def __post_init__(self) -> None:
+        _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
+        _check(self.beam_size >= 1, f"beam_size={self.beam_size} must be at least 1")
+        _check(self.alpha >= 0, f"alpha={self.alpha} must be >= 0")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_a must be >= 0 and max_len_b >= 1")
+        _check(self.max_tokens > 0, f"max_tokens={self.max_tokens} must be positive")
+        _check(
+            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+            f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
+        )
+        _check(
+            self.precision in ("auto", "fp32", "bf16"),
+            f"precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
+        )
+
+
+@dataclass
+class TranslateConfig(DecodeConfig):
+    """`translate.py`: lines from `input` (default stdin) or one `text`, to `output` (default stdout)."""
+
+    input: str | None = None
+    output: str | None = None
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.text is None or self.input is None, "give either text=... or input=FILE, not both")
+
+
+@dataclass
+class EvaluateConfig(DecodeConfig):
+    """`scripts/evaluate.py`: BLEU of a checkpoint on one split (role) of a corpus."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    split: str = "test"  # role: valid | test
+    lowercase: bool | None = None  # also score lowercased; None = where the published figures are
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.split in ("train", "valid", "test"), f"split={self.split!r} must be valid, test or train")
+
+
+@dataclass
+class VisualizeConfig(DecodeConfig):
+    """`scripts/visualize_attention.py`: attention heatmaps of one sentence and its translation."""
+
+    text: str | None = None
+    layer: int = -1  # which layer of each stack; negative counts from the last
+    out_dir: str = "attention"
+    tensorboard: bool = False  # also write the figures to TensorBoard (in out_dir)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(bool(self.text and self.text.strip()), 'text="..." is required: the sentence to translate')
 
 
 def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
