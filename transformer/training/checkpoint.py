@@ -9,22 +9,40 @@ A checkpoint is a dict saved with `torch.save` and loaded with `weights_only=Tru
     data_meta     the prepared corpus' meta.json (languages, special ids, ...)
     config        the resolved run configuration (dict)
     step          optimizer steps taken
-    and, for resuming training: optimizer, scheduler, data_state, rng.
+and, for resuming training:
+    optimizer     Adam's state_dict (moments, step counts)
+    scheduler     the LambdaLR's state_dict (updates taken)
+    data_state    the batch sampler's {"epoch", "position"}
+    rng           one entry per rank: {"python", "numpy", "torch", "cuda"} generator states
+An average of checkpoints (§6.1) has no resume state and lists its inputs under "averaged_from".
+
+A run keeps `<run_dir>/checkpoints/checkpoint_<step>.pt` (the newest `keep_last` of them) and a copy
+of the newest as `checkpoint_last.pt`, a plain file rather than a symlink so it survives copying.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import random
+import re
+import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from transformer.config import ModelConfig, from_dict
 from transformer.model import Transformer
 
 FORMAT = "transformer-checkpoint"
+RESUME_KEYS = ("optimizer", "scheduler", "data_state", "rng")
+_NUMBERED = re.compile(r"checkpoint_(\d+)\.pt")
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(Exception):
@@ -35,7 +53,7 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     """torch.save to a temp file in the same directory, fsync, then rename over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -45,6 +63,13 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A hidden temp file in `path`'s directory (so the final rename is atomic), readable like any file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private to the owner
+    return fd, tmp
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -70,3 +95,120 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
     model = Transformer(from_dict(ModelConfig, ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
+
+
+# ------------------------------------------------------------------------------------- run directory
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's numbered checkpoints, oldest first (by step, not by file time)."""
+    found = []
+    for path in checkpoint_dir(run_dir).glob("checkpoint_*.pt"):
+        match = _NUMBERED.fullmatch(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def save_checkpoint(ckpt: dict[str, Any], run_dir: str | Path, keep_last: int) -> Path:
+    """Write checkpoint_<step>.pt and checkpoint_last.pt atomically, then keep only the newest `keep_last`."""
+    directory = checkpoint_dir(run_dir)
+    path = directory / f"checkpoint_{ckpt['step']}.pt"
+    atomic_save(ckpt, path)
+    _atomic_copy(path, directory / "checkpoint_last.pt")
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def _atomic_copy(src: Path, dst: Path) -> None:
+    fd, tmp = _temp_beside(dst)
+    try:
+        with os.fdopen(fd, "wb") as f, open(src, "rb") as source:
+            shutil.copyfileobj(source, f, length=1 << 24)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of the run that loads and can resume training; None if there is none.
+
+    An unreadable newest file (truncated by a full disk, say) is reported by name and skipped.
+    """
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            ckpt = load_checkpoint(path)
+        except CheckpointError as error:
+            log.warning("skipping an unusable checkpoint: %s", error)
+            continue
+        missing = [key for key in RESUME_KEYS if key not in ckpt]
+        if missing:
+            log.warning("skipping %s: it has no %s to resume from", path, ", ".join(missing))
+            continue
+        return path, ckpt
+    return None
+
+
+# ----------------------------------------------------------------------------------------- RNG state
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator training touches: Python, NumPy, torch CPU and CUDA."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """The inverse of `rng_state`."""
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------- averaging
+
+
+def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """The element-wise arithmetic mean of the models' parameters (§6.1), as a standalone checkpoint.
+
+    Everything else (config, tokenizer, step) comes from the last path; the resume state is dropped.
+    Floating-point tensors are summed in float64 and cast back to their own dtype.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    sums: dict[str, torch.Tensor] = {}
+    last: dict[str, Any] = {}
+    for path in paths:
+        ckpt = load_checkpoint(path)
+        if last and ckpt["model_config"] != last["model_config"]:
+            raise CheckpointError(f"{path} has another model configuration than {paths[0]}; cannot average")
+        if last and ckpt["model"].keys() != last["model"].keys():
+            raise CheckpointError(f"{path} has different parameter names from {paths[0]}; cannot average")
+        for name, tensor in ckpt["model"].items():
+            if tensor.is_floating_point():
+                sums[name] = sums.get(name, 0) + tensor.double()
+        last = ckpt
+    model = {
+        name: (sums[name] / len(paths)).to(tensor.dtype) if name in sums else tensor
+        for name, tensor in last["model"].items()
+    }
+    averaged = {key: value for key, value in last.items() if key not in RESUME_KEYS}
+    averaged["model"] = model
+    averaged["averaged_from"] = [str(path) for path in paths]
+    return averaged

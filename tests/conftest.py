@@ -1,0 +1,56 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer.config import ModelConfig, to_dict
+from transformer.data.tokenizer import train as train_tokenizer
+from transformer.model import Transformer
+from transformer.training.checkpoint import FORMAT, atomic_save
+
+# ------------------------------------------------------------------------------ a tiny checkpoint
+
+TINY_SENTENCES = [
+    f"{subject} {verb} {obj}."
+    for subject in ("The cat", "A dog", "My friend", "Die Katze", "Ein Hund", "Mein Freund")
+    for verb in ("sees", "likes", "sieht", "mag", "finds")
+    for obj in ("the house", "a red ball", "das Haus", "einen roten Ball", "the old tree")
+]
+
+
+def make_tiny_checkpoint(path: Path, max_positions: int = 128, seed: int = 0) -> Path:
+    """An untrained tiny Transformer with a real SentencePiece tokenizer, in the checkpoint format."""
+    spm_model = train_tokenizer(TINY_SENTENCES, vocab_size=80)
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=80, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0,
+                      max_positions=max_positions)
+    ckpt = {
+        "format": FORMAT,
+        "model": Transformer(cfg).state_dict(),
+        "model_config": to_dict(cfg),
+        "spm_model": spm_model,
+        "data_meta": {"src_lang": "en", "tgt_lang": "de", "vocab_size": 80},
+        "config": {},
+        "step": 0,
+    }
+    atomic_save(ckpt, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread; several threads on a busy machine spin and wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Path of a tiny untrained checkpoint (decoding, translate.py, evaluation and attention tests)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint") / "checkpoint_last.pt")

@@ -1,0 +1,143 @@
+"""Checkpoint files: atomic writes, rotation, fallback past a corrupt file, RNG state, averaging."""
+
+import logging
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from transformer.config import ModelConfig, to_dict
+from transformer.model import Transformer
+from transformer.training.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    average_checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    model_from_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = ModelConfig(vocab_size=20, d_model=16, n_heads=2, d_ff=32, n_layers=1, dropout=0.0)
+
+
+def make_checkpoint(step: int, seed: int, cfg: ModelConfig = CFG) -> dict:
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    optimizer = torch.optim.Adam(model.parameters())
+    return {
+        "format": FORMAT,
+        "model": model.state_dict(),
+        "model_config": to_dict(cfg),
+        "spm_model": b"not a real tokenizer",
+        "data_meta": {"vocab_size": cfg.vocab_size},
+        "config": {},
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": {"last_epoch": step},
+        "data_state": {"epoch": 0, "position": step},
+        "rng": [rng_state()],
+    }
+
+
+def test_save_rotates_keeps_a_last_copy_and_leaves_no_temp_files(tmp_path):
+    for step in (10, 20, 30, 40):
+        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_30.pt", "checkpoint_40.pt"]
+    directory = tmp_path / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "checkpoint_30.pt",
+        "checkpoint_40.pt",
+        "checkpoint_last.pt",
+    ]
+    assert (directory / "checkpoint_last.pt").read_bytes() == (directory / "checkpoint_40.pt").read_bytes()
+    assert load_checkpoint(directory / "checkpoint_last.pt")["step"] == 40
+
+
+def test_steps_sort_numerically_not_by_name(tmp_path):
+    for step in (9, 10, 100):
+        save_checkpoint(make_checkpoint(step, seed=0), tmp_path, keep_last=5)
+    assert [p.name for p in list_checkpoints(tmp_path)][-1] == "checkpoint_100.pt"
+
+
+def test_corrupt_newest_is_reported_and_the_previous_one_used(tmp_path, caplog):
+    for step in (1, 2, 3):
+        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+    newest = tmp_path / "checkpoints" / "checkpoint_3.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, e.g. by a full disk
+    with caplog.at_level(logging.WARNING):
+        path, ckpt = latest_checkpoint(tmp_path)
+    assert path.name == "checkpoint_2.pt" and ckpt["step"] == 2
+    assert "checkpoint_3.pt" in caplog.text
+
+
+def test_no_checkpoint_means_none(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_rng_state_round_trip():
+    state = rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    set_rng_state(state)
+    assert random.random() == expected[0]
+    assert np.random.rand() == expected[1]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_average_is_the_arithmetic_mean(tmp_path):
+    ckpts = [make_checkpoint(step, seed=step) for step in (1, 2, 3)]
+    paths = []
+    for ckpt in ckpts:
+        paths.append(tmp_path / f"checkpoint_{ckpt['step']}.pt")
+        torch.save(ckpt, paths[-1])
+    averaged = average_checkpoints(paths)
+    for name, tensor in averaged["model"].items():
+        expected = (ckpts[0]["model"][name] + ckpts[1]["model"][name] + ckpts[2]["model"][name]) / 3
+        torch.testing.assert_close(tensor, expected)
+    assert not {"optimizer", "scheduler", "data_state", "rng"} & averaged.keys()
+    assert averaged["step"] == 3 and len(averaged["averaged_from"]) == 3
+    model = model_from_checkpoint(averaged)  # loads like any other checkpoint
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_average_refuses_different_models(tmp_path):
+    other = ModelConfig(vocab_size=20, d_model=16, n_heads=2, d_ff=64, n_layers=1)
+    torch.save(make_checkpoint(1, seed=1), tmp_path / "a.pt")
+    torch.save(make_checkpoint(2, seed=2, cfg=other), tmp_path / "b.pt")
+    with pytest.raises(CheckpointError, match="model configuration"):
+        average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+
+
+def test_average_script(tmp_path):
+    for step in (10, 20, 30):
+        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+    script = ROOT / "scripts" / "average_checkpoints.py"
+    done = subprocess.run(
+        [sys.executable, script, "--run-dir", tmp_path, "--last", "2"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    averaged = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_average_last2.pt")
+    assert averaged["averaged_from"] == [str(p) for p in list_checkpoints(tmp_path)[-2:]]
+    assert [p.name for p in list_checkpoints(tmp_path)][-1] == "checkpoint_30.pt"  # not taken for a resume
+    too_many = subprocess.run(
+        [sys.executable, script, "--run-dir", tmp_path, "--last", "7"], capture_output=True, text=True
+    )
+    assert too_many.returncode == 2 and too_many.stderr.startswith("error:") and "--last=7" in too_many.stderr
+
+
+def test_a_checkpoint_without_resume_state_is_not_resumed_from(tmp_path, caplog):
+    save_checkpoint(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
+    averaged = {k: v for k, v in make_checkpoint(2, seed=2).items() if k not in ("optimizer", "rng")}
+    save_checkpoint(averaged, tmp_path, keep_last=5)
+    with caplog.at_level(logging.WARNING):
+        path, _ = latest_checkpoint(tmp_path)
+    assert path.name == "checkpoint_1.pt"
+    assert "checkpoint_2.pt" in caplog.text and "optimizer, rng" in caplog.text

@@ -1,0 +1,154 @@
+"""The Hydra configs compose into valid TrainConfigs, hold the paper's values, and reject mistakes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from transformer.config import ConfigError, TrainConfig, from_dict
+from transformer.training import train
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+
+# Table 3 of the paper: what each row changes relative to the base model.
+TABLE3 = {
+    "A_h1": {"model.n_heads": 1, "model.d_k": 512, "model.d_v": 512},
+    "A_h4": {"model.n_heads": 4, "model.d_k": 128, "model.d_v": 128},
+    "A_h16": {"model.n_heads": 16, "model.d_k": 32, "model.d_v": 32},
+    "A_h32": {"model.n_heads": 32, "model.d_k": 16, "model.d_v": 16},
+    "B_dk16": {"model.d_k": 16, "model.d_v": 64},  # d_v as in the base model
+    "B_dk32": {"model.d_k": 32, "model.d_v": 64},
+    "C_N2": {"model.n_layers": 2},
+    "C_N4": {"model.n_layers": 4},
+    "C_N8": {"model.n_layers": 8},
+    "C_dmodel256": {"model.d_model": 256, "model.d_k": 32, "model.d_v": 32},
+    "C_dmodel1024": {"model.d_model": 1024, "model.d_k": 128, "model.d_v": 128},
+    "C_dff1024": {"model.d_ff": 1024},
+    "C_dff4096": {"model.d_ff": 4096},
+    "D_dropout0": {"model.dropout": 0.0},
+    "D_dropout0p2": {"model.dropout": 0.2},
+    "D_ls0": {"optim.label_smoothing": 0.0},
+    "D_ls0p2": {"optim.label_smoothing": 0.2},
+    "E_learned_pos": {"model.positional": "learned"},
+}
+
+
+def raw(*overrides: str) -> dict:
+    """The composed YAML as plain values, before the dataclasses fill in derived fields."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return OmegaConf.to_container(compose("train", overrides=list(overrides)), resolve=True)
+
+
+def composed(*overrides: str) -> TrainConfig:
+    return from_dict(TrainConfig, raw(*overrides))
+
+
+def flat(cfg: dict) -> dict:
+    out = {}
+    for section, values in cfg.items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{key}": value for key, value in values.items()})
+        else:
+            out[section] = values
+    return out
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment):
+    cfg = composed(f"experiment={experiment}")
+    assert cfg.name == experiment
+    assert cfg.trainer.run_dir == f"runs/{experiment}"
+
+
+def test_defaults_are_the_paper_recipe():
+    cfg = composed()
+    o, m, t = cfg.optim, cfg.model, cfg.trainer
+    assert (o.beta1, o.beta2, o.eps, o.warmup_steps, o.label_smoothing, o.lr_scale) == (
+        0.9,
+        0.98,
+        1e-9,
+        4000,
+        0.1,
+        1.0,
+    )
+    assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.d_k, m.d_v, m.dropout) == (
+        6,
+        512,
+        2048,
+        8,
+        64,
+        64,
+        0.1,
+    )
+    assert (t.tokens_per_step, t.max_steps) == (25000, 100000)
+    assert cfg.data.name == "wmt14_en_de"
+
+
+def test_paper_big():
+    cfg = composed("experiment=paper_big")
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.d_k, m.dropout) == (6, 1024, 4096, 16, 64, 0.3)
+    assert cfg.trainer.max_steps == 300000 and cfg.finish.average_last == 20
+    assert composed("experiment=paper_base").finish.average_last == 5
+
+
+def test_table3_experiments_change_only_their_row():
+    assert sorted(f"table3_{row}" for row in TABLE3) == [e for e in EXPERIMENTS if e.startswith("table3_")]
+    base = flat(raw("experiment=paper_base"))
+    for row, change in TABLE3.items():
+        cfg = flat(raw(f"experiment=table3_{row}"))
+        composed(f"experiment=table3_{row}")  # and it is a valid model
+        differing = {k for k in cfg if cfg[k] != base[k]} - {"name", "trainer.run_dir"}
+        differing -= {k for k in differing if k.startswith("finish.")}
+        assert differing == set(change), row
+        assert all(cfg[k] == v for k, v in change.items()), row
+        assert cfg["trainer.max_steps"] == 100000 and cfg["finish.evaluate_split"] == "valid"
+
+
+def test_unknown_key_is_refused_by_hydra():
+    with pytest.raises(ConfigCompositionException, match="nonsense"):
+        composed("trainer.nonsense=1")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, ROOT / "train.py", *args], capture_output=True, text=True, env=env)
+
+
+def test_cli_reports_mistakes_in_one_line(tmp_path):
+    struct = run_cli("trainer.nonsense=1", f"hydra.run.dir={tmp_path}")
+    assert struct.returncode != 0 and "nonsense" in struct.stderr
+    added = run_cli("+trainer.nonsense=1", f"trainer.run_dir={tmp_path}")
+    assert added.returncode == 2, added.stderr
+    assert added.stderr.strip().splitlines()[-1].startswith("error: unknown key(s) trainer.nonsense")
+    assert "Traceback" not in added.stderr
+
+
+def test_resume_never_refuses_a_run_directory_with_checkpoints(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "checkpoint_100.pt").write_bytes(b"")
+    cfg = composed(f"trainer.run_dir={tmp_path}", "trainer.resume=never")
+    with pytest.raises(ConfigError, match="trainer.resume=never"):
+        train(cfg)
+    with pytest.raises(ConfigError, match="no such file"):
+        train(composed(f"trainer.run_dir={tmp_path}", f"trainer.resume={tmp_path / 'missing.pt'}"))
+
+
+def test_bad_values_fail_before_any_work():
+    with pytest.raises(ConfigError, match="trainer.max_tokens=0"):
+        composed("trainer.max_tokens=0")
+    with pytest.raises(ConfigError, match="trainer.save_every_steps=-1"):
+        composed("trainer.save_every_steps=-1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_cuda_requested_without_a_gpu(tmp_path):
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        train(composed(f"trainer.run_dir={tmp_path}", "trainer.device=cuda"))

@@ -1,0 +1,265 @@
+"""The real `train(cfg)` and `train.py` on a tiny corpus written here: exact resume, fallback past a
+corrupt checkpoint, SIGTERM, two-process DDP against one process, a Hydra sweep. CPU only."""
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from transformer.config import TrainConfig, from_dict
+from transformer.data.batching import TokenBudgetBatchSampler
+from transformer.data.dataset import ShardDataset
+from transformer.training import train
+from transformer.training.checkpoint import list_checkpoints, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+# One intra-op thread here too, as in the subprocesses: the same kernels give the same bits.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WORDS = dict(
+    zip(
+        "the a cat dog sees likes small big red house tree runs".split(),
+        "der ein katze hund sieht mag klein gross rot haus baum laeuft".split(),
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """300 training, 20 validation and 20 test pairs: English words -> German words in reverse order."""
+    raw = tmp_path_factory.mktemp("raw")
+    rng = random.Random(0)
+    for split, n in (("train", 300), ("valid", 20), ("test", 20)):
+        src = [[rng.choice(list(WORDS)) for _ in range(rng.randint(2, 9))] for _ in range(n)]
+        (raw / f"{split}.en").write_text("".join(" ".join(s) + "\n" for s in src))
+        (raw / f"{split}.de").write_text("".join(" ".join(WORDS[w] for w in reversed(s)) + "\n" for s in src))
+    return raw
+
+
+def overrides(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "data=multi30k",
+        "data.source=local",
+        f"data.path={corpus}",
+        f"data.dir={corpus.parent / 'prepared'}",
+        "data.local_splits=null",  # the files are named by role: train, valid, test
+        "data.vocab_size=64",
+        "data.splits.valid=valid",
+        "data.num_workers=1",
+        "model=tiny",
+        "model.d_model=32",
+        "model.n_heads=4",
+        "model.d_ff=64",
+        "model.n_layers=2",
+        "optim.warmup_steps=50",
+        "trainer=cpu",
+        f"trainer.run_dir={run_dir}",
+        "trainer.tokens_per_step=1000",
+        "trainer.max_tokens=500",
+        "trainer.save_every_minutes=0",
+        "trainer.eval_every_steps=5",
+        "trainer.progress=false",
+        *extra,
+    ]
+
+
+def compose_config(args: list[str]) -> TrainConfig:
+    """What train.py builds from the same command-line overrides."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("train", overrides=args)
+    return from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    for index, state in a["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][index][key]), (index, key)
+    assert a["data_state"] == b["data_state"] and a["step"] == b["step"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory) -> Path:
+    """A 12-step run with a checkpoint at every step (dropout on: the RNG state matters)."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    args = overrides(
+        corpus, run_dir, "trainer.max_steps=12", "trainer.save_every_steps=1", "trainer.keep_last=12"
+    )
+    train(compose_config(args))
+    return run_dir
+
+
+def test_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(corpus, uninterrupted, tmp_path):
+    args = overrides(corpus, tmp_path, "trainer.save_every_steps=100")
+    train(compose_config([*args, "trainer.max_steps=5"]))  # stops mid-epoch, checkpoint at the last step
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_5.pt"]
+    train(compose_config([*args, "trainer.max_steps=12"]))  # resume=auto
+    final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_12.pt")
+    assert final["data_state"]["epoch"] >= 1  # the runs crossed epoch boundaries
+    assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt"))
+
+
+def test_resume_from_an_explicit_checkpoint_into_a_new_run_directory(corpus, uninterrupted, tmp_path):
+    start = uninterrupted / "checkpoints" / "checkpoint_7.pt"
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=12", f"trainer.resume={start}")))
+    final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_12.pt")
+    assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt"))
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
+    corpus, uninterrupted, tmp_path, caplog
+):
+    args = overrides(corpus, tmp_path, "trainer.save_every_steps=4")
+    train(compose_config([*args, "trainer.max_steps=8"]))
+    newest = tmp_path / "checkpoints" / "checkpoint_8.pt"
+    newest.write_bytes(newest.read_bytes()[:5000])
+    with caplog.at_level(logging.WARNING):
+        train(compose_config([*args, "trainer.max_steps=10"]))
+    assert "checkpoint_8.pt" in caplog.text
+    final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_10.pt")
+    assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_10.pt"))
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, uninterrupted, tmp_path):
+    args = overrides(corpus, tmp_path, "trainer.max_steps=100000", "trainer.save_every_steps=3")
+    process = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    first = tmp_path / "checkpoints" / "checkpoint_3.pt"
+    deadline = time.monotonic() + 120
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0].decode()
+    assert process.returncode == 0, output
+    assert "stopped at step" in output
+    stopped = load_checkpoint(list_checkpoints(tmp_path)[-1])
+    assert stopped["step"] >= 3
+    if stopped["step"] <= 12:  # the same state as the in-process run at that step
+        reference = load_checkpoint(uninterrupted / "checkpoints" / f"checkpoint_{stopped['step']}.pt")
+        assert_same_state(stopped, reference)
+
+
+def tensorboard_scalars(run_dir: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(corpus, tmp_path):
+    common = [
+        "model.dropout=0.0",
+        "trainer.max_steps=6",
+        "trainer.log_every_steps=1",
+        "trainer.eval_every_steps=0",
+    ]
+    single_cfg = compose_config(overrides(corpus, tmp_path / "single", *common))
+    assert single_cfg.trainer.grad_accum(1) == 2 and single_cfg.trainer.grad_accum(2) == 1
+    train(single_cfg)
+    # One process takes batches (2k, 2k+1) for step k; rank r of two takes batch 2k+r: the same pairs
+    # as long as an epoch has an even number of batches (otherwise the sampler splits one for the ranks).
+    data = ShardDataset(single_cfg.data.dir, "train")
+    sampler = TokenBudgetBatchSampler(data.src_lengths, data.tgt_lengths, 500, pad_to_multiple=1)
+    assert len(sampler.epoch_batches(0)) % 2 == 0, (
+        "choose max_tokens so that an epoch has an even batch count"
+    )
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = overrides(corpus, tmp_path / "ddp", *common)
+    done = subprocess.run(
+        [*launcher, ROOT / "train.py", *args], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    assert tensorboard_scalars(tmp_path / "ddp", "train/loss") == pytest.approx(
+        tensorboard_scalars(tmp_path / "single", "train/loss"), rel=1e-6
+    )
+    single = load_checkpoint(tmp_path / "single" / "checkpoints" / "checkpoint_6.pt")
+    ddp = load_checkpoint(tmp_path / "ddp" / "checkpoints" / "checkpoint_6.pt")
+    for name, tensor in single["model"].items():
+        torch.testing.assert_close(ddp["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(ddp["rng"]) == 2  # both ranks' RNG states, for an exact resume
+
+
+def test_sweep_gives_each_job_its_own_run_directory(corpus, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = overrides(corpus, tmp_path / "unused", "trainer.max_steps=2", "trainer.eval_every_steps=0")
+    done = subprocess.run(
+        [
+            sys.executable,
+            ROOT / "train.py",
+            "-m",
+            *args,
+            "optim.lr_scale=0.5,1.0",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for job in ("0_default", "1_default"):
+        ckpt = load_checkpoint(sweep / job / "checkpoints" / "checkpoint_2.pt")
+        assert ckpt["config"]["trainer"]["run_dir"] == str(sweep / job)
+    lr_scales = {load_checkpoint(sweep / j / "checkpoints" / "checkpoint_2.pt")["config"]["optim"]["lr_scale"]
+                 for j in ("0_default", "1_default")}  # fmt: skip
+    assert lr_scales == {0.5, 1.0}
+    assert not (tmp_path / "unused").exists()
+
+
+def test_nonfinite_loss_skips_the_update_and_stops_the_run_when_it_persists(
+    corpus, tmp_path, monkeypatch, caplog
+):
+    from transformer.training import loss as loss_module
+    from transformer.training.loop import TrainingError
+
+    real = loss_module.smoothed_cross_entropy
+    calls = {"n": 0}
+
+    def nan_on_calls(bad):
+        def patched(logits, target, epsilon, ignore_index):
+            calls["n"] += 1
+            loss, nll = real(logits, target, epsilon, ignore_index)
+            return (loss * float("nan"), nll) if calls["n"] in bad else (loss, nll)
+
+        return patched
+
+    args = overrides(corpus, tmp_path / "once", "trainer.max_steps=3", "trainer.eval_every_steps=0")
+    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls({3}))  # step 2, first batch
+    with caplog.at_level(logging.WARNING):
+        train(compose_config(args))
+    assert "non-finite" in caplog.text and "update skipped (1 in a row)" in caplog.text
+    assert load_checkpoint(tmp_path / "once" / "checkpoints" / "checkpoint_3.pt")["step"] == 3
+
+    args = overrides(corpus, tmp_path / "always", "trainer.max_steps=5", "trainer.max_nonfinite_steps=2")
+    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls(range(1000)))
+    with pytest.raises(TrainingError, match="2 non-finite updates in a row"):
+        train(compose_config(args))
+
+
+def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path, monkeypatch):
+    from transformer.training import loss as loss_module
+    from transformer.training.loop import TrainingError
+
+    def out_of_memory(*_args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", out_of_memory)
+    with pytest.raises(
+        TrainingError, match=r"batch of src \(\d+, \d+\).*lower trainer.max_tokens \(now 500\)"
+    ):
+        train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=2")))

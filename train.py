@@ -1,0 +1,40 @@
+"""Train a Transformer with the paper's recipe (§5).
+
+    python train.py experiment=paper_base
+    torchrun --nproc_per_node=8 train.py experiment=paper_big
+    python train.py -m experiment=table3_A_h1,table3_A_h4,table3_A_h16,table3_A_h32   # a Table 3 sweep
+
+Any setting can be overridden (`trainer.max_steps=1000 model=tiny data=multi30k`); a mistake is
+reported in one line and the exit status is 2. A run in an existing run directory continues from its
+newest checkpoint (trainer.resume=auto).
+"""
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also runs from a checkout not pip-installed
+
+from transformer.config import ConfigError, TrainConfig, from_dict  # noqa: E402
+from transformer.data.sources import DataError  # noqa: E402
+from transformer.training import TrainingError, train  # noqa: E402
+from transformer.training.checkpoint import CheckpointError  # noqa: E402
+
+
+@hydra.main(config_path="configs", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # each job of a sweep trains in its own directory
+        cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        train(from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True)))
+    except (ConfigError, DataError, CheckpointError, TrainingError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Devices, precision and data-parallel training (§5.2: "8 NVIDIA P100 GPUs").
+
+`torchrun --nproc_per_node=N train.py ...` sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python train.py`
+is one process. NCCL is used on GPUs and gloo on CPUs. Wrapping order is fixed:
+build -> to(device) -> torch.compile -> DistributedDataParallel.
+
+When one rank dies, the others exit with an error instead of hanging: gloo fails their next collective
+at once ("Connection closed by peer"); torchrun notices the failed worker, stops the others (SIGTERM)
+and exits non-zero; and as a backstop every collective has a timeout (`trainer.dist_timeout_minutes`),
+after which NCCL's watchdog aborts it. Restart the same command to resume from the last checkpoint.
+
+Only rank 0 prepares the corpus and writes checkpoints; every rank reads them, so on several machines
+`data.dir` and `trainer.run_dir` must be on a filesystem they share.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from transformer.config import ConfigError, TrainerConfig
+
+PREPARE_TIMEOUT = timedelta(hours=12)  # rank 0 may spend hours preparing WMT14 while the others wait
+COMPILE_CACHE_SIZE = 256  # compiled shapes per function (default 8); padding to pad_to_multiple bounds them
+
+
+@dataclass
+class Runtime:
+    """Where this process runs: its rank among `world_size`, its device, its autocast dtype."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype  # torch.bfloat16 under autocast, or torch.float32
+    prepare_group: dist.ProcessGroup | None = None  # a gloo group with a long timeout, for data prep
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
+
+
+def init_runtime(cfg: TrainerConfig) -> Runtime:
+    """Pick the device and precision, and join the process group when launched by torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = _device(cfg.device, local_rank)
+    dtype = _precision(cfg.precision, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast use TF32 tensor cores
+    runtime = Runtime(rank, world_size, device, dtype)
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(minutes=cfg.dist_timeout_minutes)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        runtime.prepare_group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
+    return runtime
+
+
+def _device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name} but no CUDA device is available; use trainer.device=cpu")
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def _precision(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"{torch.cuda.get_device_name(device)} has no bf16; use trainer.precision=fp32")
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def wrap(module: nn.Module, runtime: Runtime, compile: bool) -> nn.Module:
+    """to(device) -> torch.compile -> DDP, in that order; the caller keeps the unwrapped module."""
+    module = module.to(runtime.device)
+    if compile:
+        # Static shapes: batch lengths are padded to trainer.pad_to_multiple, so the number of distinct
+        # shapes (and of recompiles) is bounded; past the cache size new shapes run uncompiled.
+        torch._dynamo.config.recompile_limit = COMPILE_CACHE_SIZE  # formerly cache_size_limit
+        torch._dynamo.config.accumulated_recompile_limit = COMPILE_CACHE_SIZE * 4
+        module = torch.compile(module, dynamic=False)
+    if runtime.distributed:
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        # The model has no running statistics: its only buffer (the sinusoid table) needs no broadcast.
+        module = DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+    return module
+
+
+def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
+    """Sum a few numbers over the ranks (one collective); the identity for a single process."""
+    if not runtime.distributed:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def gather_objects(obj: object, runtime: Runtime) -> list[object]:
+    """Every rank's `obj`, in rank order (e.g. the RNG states a checkpoint needs from each rank)."""
+    if not runtime.distributed:
+        return [obj]
+    gathered: list[object] = [None] * runtime.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def wait_for_main(runtime: Runtime) -> None:
+    """Hold the other ranks until rank 0 has finished work they depend on (data preparation)."""
+    if runtime.distributed:
+        dist.barrier(group=runtime.prepare_group)
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()

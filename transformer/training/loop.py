@@ -1,0 +1,453 @@
+"""The training loop (§5): token-budget batches, label-smoothed loss, Adam with the schedule of Eq. (3),
+self-describing checkpoints and exact resume.
+
+One optimizer step sees about `trainer.tokens_per_step` target tokens (§5.2: ~25,000): each rank runs
+`trainer.grad_accum(world_size)` batches of at most `trainer.max_tokens` padded tokens. The loss is the
+sum over every non-pad target token of the step divided by their number over all batches and ranks,
+so the update does not depend on how the step is split.
+
+Exact resume: a checkpoint holds the weights, Adam's moments, the schedule's step, the sampler's
+(epoch, position) and every rank's RNG states, and the loop draws nothing random that they don't cover;
+on the CPU an interrupted and resumed run ends with bitwise the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.optim import Adam
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from transformer.config import ConfigError, OptimConfig, TrainConfig, TrainerConfig, to_dict
+from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate
+from transformer.data.dataset import ShardDataset, load_meta
+from transformer.data.prepare import SPM_FILE, prepare
+from transformer.model import Transformer
+from transformer.training.checkpoint import (
+    FORMAT,
+    RESUME_KEYS,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from transformer.training.distributed import (
+    Runtime,
+    all_reduce_sum,
+    gather_objects,
+    init_runtime,
+    shutdown,
+    wait_for_main,
+    wrap,
+)
+from transformer.training.loss import Seq2SeqLoss
+from transformer.training.monitor import Monitor, bf16_peak_flops, train_flops
+from transformer.training.schedule import make_scheduler
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (out of memory, a diverging loss); the message says what to change."""
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Train until trainer.max_steps, or until SIGTERM / Ctrl-C (after a checkpoint); returns the run dir."""
+    t = cfg.trainer
+    run_dir = Path(t.run_dir)
+    _check_resume_setting(t, run_dir)
+    runtime = init_runtime(t)
+    try:
+        # --- data: rank 0 prepares the corpus (a quick check when it is ready), the others wait
+        if runtime.is_main:
+            prepare(cfg.data)
+        wait_for_main(runtime)
+        data_dir = Path(cfg.data.dir)
+        meta = load_meta(data_dir)
+        train_set = ShardDataset(data_dir, "train")
+        sampler = TokenBudgetBatchSampler(
+            train_set.src_lengths,
+            train_set.tgt_lengths,
+            t.max_tokens,
+            seed=t.seed,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            pad_to_multiple=t.pad_to_multiple,
+        )
+
+        # --- model: the corpus sets the vocabulary size; every rank starts from the same weights
+        cfg = replace(cfg, model=replace(cfg.model, vocab_size=meta["vocab_size"]))
+        _seed_everything(t.seed)
+        model = Transformer(cfg.model)
+        objective = wrap(Seq2SeqLoss(model, cfg.optim.label_smoothing), runtime, t.compile)
+        _seed_everything(t.seed + runtime.rank)  # each rank its own dropout masks
+
+        # --- optimizer: Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and the schedule of Eq. (3)
+        optimizer = _adam(model, cfg.optim, runtime)
+        scheduler = make_scheduler(optimizer, cfg.optim, cfg.model.d_model)
+        run = Run(
+            cfg,
+            runtime,
+            run_dir,
+            model,
+            optimizer,
+            scheduler,
+            sampler,
+            meta,
+            (data_dir / SPM_FILE).read_bytes(),
+        )
+
+        # --- resume: weights, Adam's moments, schedule, data position and RNG states
+        found = _find_resume(t, run_dir) if t.resume != "never" else None
+        if found is not None:
+            run.restore(*found)
+
+        # --- loop: one optimizer step per iteration; checkpoints at step boundaries
+        accum = t.grad_accum(runtime.world_size)
+        _log_start(run, accum)
+        valid = _valid_batches(data_dir, meta, t, runtime)
+        eval_module = objective.module if runtime.distributed else objective  # no gradient sync needed
+        batches = _batches_forever(sampler, train_set, t.pad_to_multiple)
+        peak = bf16_peak_flops(runtime.device) if runtime.dtype == torch.bfloat16 else None
+        monitor = Monitor(
+            run_dir, runtime.is_main, t.progress, (run.step, t.max_steps), t.log_every_steps, peak
+        )
+        last_save, nonfinite = time.monotonic(), 0
+        with monitor, _StopSignal() as stop_signal, logging_redirect_tqdm():
+            while run.step < t.max_steps:
+                micro = [next(batches) for _ in range(accum)]
+                save_due = (
+                    t.save_every_minutes > 0 and time.monotonic() - last_save >= 60 * t.save_every_minutes
+                )
+                stats, stop, save_due = _train_step(run, objective, micro, stop_signal.received, save_due)
+                if stats["finite"]:
+                    nonfinite = 0
+                    monitor.step(run.step, stats)
+                else:
+                    nonfinite = _skip_update(run.step, stats, nonfinite, t.max_nonfinite_steps)
+                evaluate = _every(t.eval_every_steps, run.step) or run.step == t.max_steps
+                if valid is not None and nonfinite == 0 and evaluate:
+                    monitor.valid(run.step, *_validate(eval_module, valid, runtime))
+                if (
+                    stop
+                    or save_due
+                    or run.step == t.max_steps
+                    or (nonfinite == 0 and _every(t.save_every_steps, run.step))
+                ):
+                    run.save()
+                    last_save = time.monotonic()
+                if stop:
+                    log.warning("stopped at step %d by a signal; continue with trainer.resume=auto", run.step)
+                    break
+        return run_dir
+    finally:
+        shutdown(runtime)
+
+
+@dataclass
+class Run:
+    """What a checkpoint saves and restores, and the optimizer steps taken so far."""
+
+    cfg: TrainConfig
+    runtime: Runtime
+    run_dir: Path
+    model: Transformer  # unwrapped: no compile, no DDP
+    optimizer: Adam
+    scheduler: LambdaLR
+    sampler: TokenBudgetBatchSampler
+    meta: dict[str, Any]
+    spm_model: bytes
+    step: int = 0
+
+    def save(self) -> None:
+        """Write a checkpoint (rank 0); every rank takes part, for its RNG state."""
+        rngs = gather_objects(rng_state(), self.runtime)
+        if not self.runtime.is_main:
+            return
+        ckpt = {
+            "format": FORMAT,
+            "model": self.model.state_dict(),
+            "model_config": to_dict(self.cfg.model),
+            "spm_model": self.spm_model,
+            "data_meta": self.meta,
+            "config": to_dict(self.cfg),
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data_state": self.sampler.state_dict(),  # the ranks agree on (epoch, position)
+            "rng": rngs,  # one entry per rank
+        }
+        path = save_checkpoint(ckpt, self.run_dir, self.cfg.trainer.keep_last)
+        log.info("step %d: saved %s", self.step, path)
+
+    def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
+        mine = to_dict(self.cfg.model)
+        changed = sorted(k for k in mine if ckpt["model_config"].get(k) != mine[k])
+        if changed:
+            raise ConfigError(
+                f"{path} holds a model with other settings ({', '.join(changed)}); "
+                "set trainer.run_dir to a new directory, or trainer.resume=<checkpoint of this model>"
+            )
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.sampler.load_state_dict(ckpt["data_state"])
+        self.step = int(ckpt["step"])
+        rngs, rank = ckpt["rng"], self.runtime.rank
+        if len(rngs) == self.runtime.world_size:
+            set_rng_state(rngs[rank])
+        else:
+            log.warning(
+                "%s was written by %d ranks, not %d: the data order and dropout masks will differ from "
+                "an uninterrupted run",
+                path,
+                len(rngs),
+                self.runtime.world_size,
+            )
+            _seed_everything(self.cfg.trainer.seed + rank + self.step)
+        log.info("resumed from %s at step %d (epoch %d)", path, self.step, self.sampler.epoch)
+
+
+def _check_resume_setting(t: TrainerConfig, run_dir: Path) -> None:
+    """Mistakes in trainer.resume, found before any heavy work."""
+    if t.resume == "never" and list_checkpoints(run_dir):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints and trainer.resume=never would mix two runs there; "
+            "choose another trainer.run_dir, or trainer.resume=auto to continue"
+        )
+    if t.resume not in ("auto", "never") and not Path(t.resume).is_file():
+        raise ConfigError(f"trainer.resume={t.resume}: no such file (use auto, never or a checkpoint path)")
+
+
+def _find_resume(t: TrainerConfig, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    if t.resume == "auto":
+        return latest_checkpoint(run_dir)
+    ckpt = load_checkpoint(t.resume)
+    missing = [key for key in RESUME_KEYS if key not in ckpt]
+    if missing:
+        raise CheckpointError(f"{t.resume} cannot resume training: it has no {', '.join(missing)}")
+    return Path(t.resume), ckpt
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _adam(model: nn.Module, cfg: OptimConfig, runtime: Runtime) -> Adam:
+    """lr=1.0: the scheduler's factor is the learning rate itself. Fused kernels on CUDA."""
+    return Adam(
+        model.parameters(),
+        lr=1.0,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=runtime.device.type == "cuda",
+    )
+
+
+def _log_start(run: Run, accum: int) -> None:
+    t, runtime = run.cfg.trainer, run.runtime
+    budget = t.max_tokens * accum * runtime.world_size
+    log.info(
+        "%s on %s x%d (%s): %s parameters; %d batch(es) of <= %d padded tokens per rank per step, "
+        "<= %d per step (trainer.tokens_per_step=%d)",
+        run.run_dir,
+        runtime.device,
+        runtime.world_size,
+        str(runtime.dtype).removeprefix("torch."),
+        f"{run.model.num_parameters():,}",
+        accum,
+        t.max_tokens,
+        budget,
+        t.tokens_per_step,
+    )
+
+
+def _batches_forever(sampler: TokenBudgetBatchSampler, dataset: ShardDataset, pad: int) -> Iterator[Batch]:
+    """Batches in the sampler's order, epoch after epoch; the sampler's position counts those taken."""
+    while True:
+        for indices in sampler:
+            yield collate([dataset[i] for i in indices], pad)
+
+
+def _valid_batches(
+    data_dir: Path, meta: dict[str, Any], t: TrainerConfig, runtime: Runtime
+) -> list[Batch] | None:
+    """This rank's share of the `valid` split, batched once; None when there is none or eval is off."""
+    if "valid" not in meta["splits"] or t.eval_every_steps == 0:
+        return None
+    valid = ShardDataset(data_dir, "valid")
+    sampler = TokenBudgetBatchSampler(
+        valid.src_lengths,
+        valid.tgt_lengths,
+        t.max_tokens,
+        shuffle=False,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        pad_to_multiple=t.pad_to_multiple,
+    )
+    return [collate([valid[i] for i in batch], t.pad_to_multiple) for batch in sampler.epoch_batches(0)]
+
+
+def _train_step(
+    run: Run, objective: nn.Module, micro: list[Batch], signal_received: str | None, save_due: bool
+) -> tuple[dict[str, Any], bool, bool]:
+    """Forward/backward over this rank's batches, one all-reduce of the step's sums and of the ranks'
+    stop/save flags, then the update, skipped when the loss or the gradient is not finite.
+
+    Returns the step's statistics (per target token) and whether any rank wants to stop or to save.
+    """
+    n_tokens, loss_sum, nll_sum = _accumulate(objective, micro, run.runtime, run.cfg.trainer.max_tokens)
+    grad_norm = _grad_norm(run.model, run.cfg.optim.clip_grad_norm)
+    flags = [float(signal_received is not None), float(save_due)]
+    loss_sum, nll_sum, stop, save_due = all_reduce_sum([loss_sum, nll_sum, *flags], run.runtime)
+    lr = run.optimizer.param_groups[0]["lr"]
+    finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+    if finite:
+        run.optimizer.step()
+        run.scheduler.step()
+        run.step += 1
+    run.optimizer.zero_grad(set_to_none=True)
+    stats = {
+        "finite": finite,
+        "loss": loss_sum / n_tokens,
+        "nll": nll_sum / n_tokens,
+        "tokens": n_tokens,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "flops": sum(train_flops(run.cfg.model, *b.src.shape, b.tgt_in.size(1)) for b in micro),
+    }
+    return stats, stop > 0, save_due > 0
+
+
+def _every(interval: int, step: int) -> bool:
+    """Whether `step` is a multiple of `interval` (0 = never)."""
+    return interval > 0 and step % interval == 0
+
+
+def _accumulate(
+    objective: nn.Module, micro: list[Batch], runtime: Runtime, max_tokens: int
+) -> tuple[float, float, float]:
+    """Forward and backward over this rank's batches of one step; gradient = d(loss sum) / global tokens.
+
+    Returns the step's global target-token count and this rank's sums of the loss and of the NLL.
+    """
+    n_tokens = all_reduce_sum([float(sum(b.n_tgt_tokens for b in micro))], runtime)[0]
+    scale = runtime.world_size / n_tokens  # DDP averages the ranks' gradients; this turns it into the sum
+    loss_sum = torch.zeros((), device=runtime.device)
+    nll_sum = torch.zeros((), device=runtime.device)
+    for i, batch in enumerate(micro):
+        synced = not runtime.distributed or i == len(micro) - 1  # all-reduce gradients once, after the last
+        with nullcontext() if synced else objective.no_sync():
+            loss, nll = _forward_backward(
+                objective, batch.to(runtime.device, non_blocking=True), scale, runtime, max_tokens
+            )
+        loss_sum += loss
+        nll_sum += nll
+    return n_tokens, loss_sum.item(), nll_sum.item()
+
+
+def _forward_backward(
+    objective: nn.Module, batch: Batch, scale: float, runtime: Runtime, max_tokens: int
+) -> tuple[Tensor, Tensor]:
+    try:
+        with runtime.autocast():
+            loss, nll = objective(batch.src, batch.tgt_in, batch.tgt_out)
+        (loss * scale).backward()
+    except torch.OutOfMemoryError:
+        raise TrainingError(
+            f"out of memory on {runtime.device} for a batch of src {tuple(batch.src.shape)}, tgt "
+            f"{tuple(batch.tgt_in.shape)}; lower trainer.max_tokens (now {max_tokens}): gradient "
+            "accumulation keeps the tokens per step at trainer.tokens_per_step"
+        ) from None
+    return loss.detach(), nll
+
+
+def _grad_norm(model: nn.Module, clip: float) -> float:
+    """The global L2 norm of the gradients, clipped to `clip` when positive (the paper does not clip)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+    return norm.item()
+
+
+def _skip_update(step: int, stats: dict[str, Any], in_a_row: int, limit: int) -> int:
+    """Count a skipped update; stop the run after `limit` of them in a row."""
+    in_a_row += 1
+    log.warning(
+        "step %d: non-finite loss or gradient (loss %s, gradient norm %s); update skipped (%d in a row)",
+        step + 1,
+        stats["loss"],
+        stats["grad_norm"],
+        in_a_row,
+    )
+    if in_a_row >= limit:
+        raise TrainingError(
+            f"{in_a_row} non-finite updates in a row (trainer.max_nonfinite_steps={limit}): the run "
+            "diverged; lower optim.lr_scale, raise optim.warmup_steps or set optim.clip_grad_norm and resume"
+        )
+    return in_a_row
+
+
+@torch.no_grad()
+def _validate(objective: nn.Module, batches: list[Batch], runtime: Runtime) -> tuple[float, float]:
+    """Loss and NLL per target token on the `valid` split, summed over every rank's share."""
+    objective.eval()
+    loss_sum = nll_sum = n_tokens = 0.0
+    for batch in batches:
+        batch = batch.to(runtime.device, non_blocking=True)
+        with runtime.autocast():
+            loss, nll = objective(batch.src, batch.tgt_in, batch.tgt_out)
+        loss_sum, nll_sum, n_tokens = (
+            loss_sum + loss.item(),
+            nll_sum + nll.item(),
+            n_tokens + batch.n_tgt_tokens,
+        )
+    objective.train()
+    loss_sum, nll_sum, n_tokens = all_reduce_sum([loss_sum, nll_sum, n_tokens], runtime)
+    return loss_sum / n_tokens, nll_sum / n_tokens
+
+
+class _StopSignal:
+    """SIGTERM and Ctrl-C ask the loop to checkpoint at the next step boundary and exit; a second Ctrl-C
+    interrupts at once. Handlers are installed only in the main thread (Python allows no other)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        log.warning("%s received: saving a checkpoint after this step", self.received)
+
+    def __exit__(self, *_exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

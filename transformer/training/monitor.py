@@ -1,0 +1,140 @@
+"""Watching a run: a tqdm bar (loss, learning rate, tokens/s, ETA) and TensorBoard scalars under
+`<run_dir>/tensorboard` (train loss, perplexity, lr, gradient norm, tokens/s, model FLOP utilisation on
+GPUs whose bf16 peak is known; validation loss and perplexity). Only rank 0 writes anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from transformer.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets; longer names are matched first
+# ("GH200" before "H200"). Cards not listed get no MFU.
+BF16_PEAK_FLOPS = {
+    "GH200": 989e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+}
+
+
+def bf16_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(BF16_PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return BF16_PEAK_FLOPS[key]
+    return None
+
+
+def train_flops(cfg: ModelConfig, batch: int, src_len: int, tgt_len: int) -> float:
+    """Matmul FLOPs of one forward + backward pass over a padded (B, S) -> (B, T) batch.
+
+    2 FLOPs per multiply-add, x3 for the backward pass; embeddings, norms and softmax are ignored.
+    """
+    d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+    q_width, k_width, v_width = h * cfg.d_k, kv * cfg.d_k, kv * cfg.d_v
+    self_attn = d * (q_width + k_width + v_width) + h * cfg.d_v * d  # W^Q, W^K, W^V, W^O
+    ffn = 2 * d * cfg.d_ff
+    src_tokens, tgt_tokens = batch * src_len, batch * tgt_len
+    encoder = src_tokens * (self_attn + ffn)
+    cross = tgt_tokens * (d * q_width + h * cfg.d_v * d) + src_tokens * d * (k_width + v_width)
+    decoder = tgt_tokens * (self_attn + ffn) + cross
+    projection = tgt_tokens * d * cfg.vocab_size
+    # QK^T and the weighted sum of V: per query, per key, h * (d_k + d_v) multiply-adds
+    scores = h * (cfg.d_k + cfg.d_v) * (src_tokens * src_len + tgt_tokens * tgt_len + tgt_tokens * src_len)
+    return 6.0 * (cfg.n_layers * (encoder + decoder + scores) + projection)
+
+
+class Monitor:
+    """Progress bar and TensorBoard scalars; a no-op on ranks other than 0."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        progress: bool,
+        steps: tuple[int, int],
+        every: int,
+        peak_flops: float | None,
+    ) -> None:
+        """steps: (first step of this process, last step of the run)."""
+        self.enabled, self.every, self.peak_flops = enabled, every, peak_flops
+        start_step, max_steps = steps
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter  # a second to import; only rank 0 needs it
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.bar = tqdm(
+            total=max_steps,
+            initial=start_step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (enabled and progress),
+        )
+        self._sums: dict[str, float] = {}
+        self._last_time = time.perf_counter()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def step(self, step: int, stats: dict[str, float]) -> None:
+        """One optimizer step: loss and nll per target token, tokens (target), lr, grad_norm, flops."""
+        now = time.perf_counter()
+        seconds, self._last_time = now - self._last_time, now
+        for key in ("loss", "nll", "tokens", "lr", "grad_norm", "flops"):
+            self._sums[key] = self._sums.get(key, 0.0) + stats[key]
+        self._sums["seconds"] = self._sums.get("seconds", 0.0) + seconds
+        self._sums["steps"] = self._sums.get("steps", 0.0) + 1
+        if not self.enabled:
+            return
+        self.bar.update(1)
+        self.bar.set_postfix(
+            loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}", tok_s=f"{stats['tokens'] / seconds:,.0f}"
+        )
+        if step % self.every == 0:
+            self._flush(step)
+
+    def _flush(self, step: int) -> None:
+        sums, self._sums = self._sums, {}
+        steps, seconds = sums["steps"], sums["seconds"]
+        scalars = {
+            "train/loss": sums["loss"] / steps,
+            "train/ppl": math.exp(min(sums["nll"] / steps, 50.0)),  # perplexity of the unsmoothed NLL
+            "train/lr": sums["lr"] / steps,
+            "train/grad_norm": sums["grad_norm"] / steps,
+            "train/tokens_per_s": sums["tokens"] / seconds,  # target tokens, all ranks together
+        }
+        if self.peak_flops:  # this rank's model FLOP/s against its card's dense bf16 peak
+            scalars["train/mfu"] = sums["flops"] / seconds / self.peak_flops
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        log.info("step %d: %s", step, ", ".join(f"{tag[6:]} {value:.4g}" for tag, value in scalars.items()))
+
+    def valid(self, step: int, loss: float, nll: float) -> None:
+        if self.enabled:
+            self.writer.add_scalar("valid/loss", loss, step)
+            self.writer.add_scalar("valid/ppl", math.exp(min(nll, 50.0)), step)
+            log.info("step %d: valid loss %.4f, perplexity %.2f", step, loss, math.exp(min(nll, 50.0)))
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.writer.close()
