@@ -9,6 +9,7 @@ reported in one line and the exit status is 2. A run in an existing run director
 newest checkpoint (trainer.resume=auto).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # also runs from a che
 
 from transformer.config import ConfigError, TrainConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
+from transformer.finish import finish  # noqa: E402
 from transformer.training import TrainingError, train  # noqa: E402
 from transformer.training.checkpoint import CheckpointError  # noqa: E402
 
@@ -30,7 +32,10 @@ def main(cfg: DictConfig) -> None:
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # each job of a sweep trains in its own directory
         cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
     try:
-        train(from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True)))
+        config = from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
+        run_dir = train(config)
+        if int(os.environ.get("RANK", "0")) == 0:  # average, evaluate, show translations (finish.*)
+            finish(config, run_dir)
     except (ConfigError, DataError, CheckpointError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -264,6 +264,16 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
+        for name in ("checkpoint", "input", "output", "text", "out_dir"):  # Hydra reads text=123 as a number
+            if getattr(self, name, None) is not None:
+                setattr(self, name, str(getattr(self, name)))
+        for name in ("beam_size", "max_len_b", "max_tokens", "alpha", "max_len_a"):
+            value = getattr(self, name)
+            whole = name in ("beam_size", "max_len_b", "max_tokens")
+            _check(
+                isinstance(value, int if whole else (int, float)) and not isinstance(value, bool),
+                f"{name}={value!r} must be {'a whole number' if whole else 'a number'}",
+            )
         _check(self.beam_size >= 1, f"beam_size={self.beam_size} must be at least 1")
         _check(self.alpha >= 0, f"alpha={self.alpha} must be >= 0")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_a must be >= 0 and max_len_b >= 1")

@@ -1,0 +1,209 @@
+"""Greedy and beam search (§6.1) against independent references: the length-penalty formula written
+out, a decoder that recomputes the whole prefix every step (no KV cache), and brute-force enumeration
+of every output sequence."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from transformer.config import ModelConfig
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.decoding import beam_search, greedy_search, length_penalty
+from transformer.model import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def tiny_model(vocab: int = 24, seed: int = 0, dtype: torch.dtype = torch.float64) -> Transformer:
+    """Random weights, scaled up so that next-token distributions depend on the context (at the init's
+    scale a random decoder mostly repeats one token, and every search finds the same output)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.embed.tokens.weight.mul_(2.0)
+        for layer in model.decoder:
+            for w in (layer.ffn.w_1, layer.ffn.w_2, layer.self_attn.w_qkv, layer.cross_attn.w_q):
+                w.weight.mul_(3.0)
+    return model.to(dtype)
+
+
+def sources(lengths: list[int], vocab: int, seed: int = 1) -> torch.Tensor:
+    """(B, S) rows of random pieces + [EOS], padded."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.full((len(lengths), max(lengths) + 1), PAD_ID)
+    for row, n in enumerate(lengths):
+        src[row, :n] = torch.randint(4, vocab, (n,), generator=g)
+        src[row, n] = EOS_ID
+    return src
+
+
+@dataclass
+class PrefixCache:
+    """The no-cache reference's state: the decoder inputs so far and the encoder output, per row."""
+
+    prefix: torch.Tensor  # (N, t)
+    memory: torch.Tensor  # (N, S, d_model)
+
+    def select(self, index: torch.Tensor, cross: bool = True) -> PrefixCache:
+        return PrefixCache(self.prefix[index], self.memory[index])
+
+
+class NoCacheModel:
+    """The model's decoding interface, re-running the full `decode` over the whole prefix each step."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self.cfg = model, model.cfg
+
+    def src_mask(self, src):
+        return self.model.src_mask(src)
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def decode_step(self, tokens, memory, src_mask, cache=None):
+        cache = cache if cache is not None else PrefixCache(tokens[:, :0], memory)
+        prefix = torch.cat([cache.prefix, tokens], dim=1)
+        return self.model.decode(prefix, cache.memory, src_mask)[:, -1:], PrefixCache(prefix, cache.memory)
+
+
+@torch.no_grad()
+def teacher_forced_score(model: Transformer, src_row: torch.Tensor, tokens: list[int], max_len: int,
+                         alpha: float) -> float:
+    """log P(Y|X) / lp(Y) by one full `decode`; Y ends in EOS unless it was cut at the limit max_len."""
+    src = src_row[None, : int((src_row != PAD_ID).sum())]
+    y = tokens if len(tokens) == max_len else tokens + [EOS_ID]
+    memory = model.encode(src, model.src_mask(src))
+    tgt_in = torch.tensor([[BOS_ID] + y[:-1]])
+    log_probs = model.decode(tgt_in, memory, model.src_mask(src)).log_softmax(-1)[0]  # (|Y|, V)
+    return sum(float(log_probs[i, t]) for i, t in enumerate(y)) / ((5 + len(y)) / 6) ** alpha
+
+
+def test_length_penalty_is_the_gnmt_formula():
+    for length, alpha in [(1, 0.6), (7, 0.6), (30, 0.6), (12, 1.0), (9, 0.0)]:
+        expected = math.pow((5 + length) / 6, alpha)
+        assert length_penalty(length, alpha) == pytest.approx(expected, rel=1e-12)
+        assert float(length_penalty(torch.tensor([length]), alpha)[0]) == pytest.approx(expected, rel=1e-6)
+    assert length_penalty(1, 0.6) == 1.0  # a lone EOS is not penalised
+
+
+def test_beam_of_one_without_length_penalty_is_greedy():
+    model = tiny_model()
+    src = sources([3, 7, 5, 1, 9], 24)
+    greedy = greedy_search(model, src, max_len_a=1.0, max_len_b=6)
+    beam = beam_search(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=6)
+    assert beam.tokens == greedy.tokens
+    torch.testing.assert_close(beam.scores, greedy.scores)
+    assert any(len(t) > 0 for t in greedy.tokens)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_cached_decoding_equals_recomputing_the_prefix(alpha):
+    model = tiny_model()
+    src = sources([4, 8, 2, 6], 24)
+    reference = NoCacheModel(model)
+    for search in (
+        lambda m: beam_search(m, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5),
+        lambda m: greedy_search(m, src, max_len_a=1.0, max_len_b=5),
+    ):
+        cached, recomputed = search(model), search(reference)
+        assert cached.tokens == recomputed.tokens
+        torch.testing.assert_close(cached.scores, recomputed.scores, rtol=1e-10, atol=1e-10)
+    # and each score is that of its tokens (src lengths + EOS + 5 = the maximum output lengths)
+    for row, (tokens, limit) in enumerate(zip(cached.tokens, [10, 14, 8, 12])):
+        expected = teacher_forced_score(model, src[row], tokens, limit, 0.0)
+        assert float(cached.scores[row]) == pytest.approx(expected, abs=1e-5)
+    beams = beam_search(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5)
+    for row, (tokens, limit) in enumerate(zip(beams.tokens, [10, 14, 8, 12])):
+        expected = teacher_forced_score(model, src[row], tokens, limit, alpha)
+        assert float(beams.scores[row]) == pytest.approx(expected, abs=1e-5)
+
+
+@torch.no_grad()
+def brute_force(model: Transformer, src: torch.Tensor, max_len: int, alpha: float):
+    """Best (tokens, score) per sentence over every output: y_1..y_j EOS with j + 1 <= max_len, or
+    y_1..y_L cut at the limit; scored by teacher forcing with the full `decode`."""
+    content = [t for t in range(model.cfg.vocab_size) if t not in (PAD_ID, BOS_ID, EOS_ID)]
+    outputs = [list(y) + [EOS_ID] for j in range(max_len) for y in itertools.product(content, repeat=j)]
+    outputs += [list(y) for y in itertools.product(content, repeat=max_len)]
+    best = []
+    for row in range(src.size(0)):
+        one = src[row : row + 1, : int((src[row] != PAD_ID).sum())]
+        memory = model.encode(one, model.src_mask(one))
+        scored = []
+        for y in outputs:
+            tgt_in = torch.tensor([[BOS_ID] + y[:-1]])
+            log_probs = model.decode(tgt_in, memory, model.src_mask(one)).log_softmax(-1)[0]  # (|Y|, V)
+            log_p = sum(float(log_probs[i, t]) for i, t in enumerate(y))
+            scored.append((log_p / ((5 + len(y)) / 6) ** alpha, [t for t in y if t != EOS_ID]))
+        best.append(max(scored))
+    return best
+
+
+@pytest.mark.parametrize("max_len", [3, 4])
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_wide_beam_finds_the_exhaustive_optimum(max_len, alpha):
+    """Vocabulary 6: 3 content pieces (UNK and two more) plus EOS can follow each prefix. A beam as
+    wide as all candidates of the last step (3^(L-1) live prefixes x 4) never prunes, so beam search
+    with its early stop must return exactly the exhaustive optimum."""
+    vocab = 6
+    model = tiny_model(vocab=vocab, seed=7)
+    src = sources([2, 5, 3, 4], vocab, seed=4)
+    width = 3 ** (max_len - 1) * 4
+    result = beam_search(model, src, beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len)
+    optimum = brute_force(model, src, max_len, alpha)
+    assert len({tuple(tokens) for _, tokens in optimum}) > 1  # the sentences' optima differ
+    for row, (score, tokens) in enumerate(optimum):
+        assert result.tokens[row] == tokens
+        assert float(result.scores[row]) == pytest.approx(score, abs=1e-5)  # scores add up in float32
+
+
+def test_a_batch_decodes_like_its_sentences_one_by_one():
+    """Padding, and sentences leaving the batch when done, change nothing."""
+    model = tiny_model(seed=5)
+    src = sources([9, 2, 5, 1, 7, 3], 24, seed=6)
+    batch = beam_search(model, src, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
+    lengths = set()
+    for row in range(src.size(0)):
+        one = src[row : row + 1, : int((src[row] != PAD_ID).sum())]
+        alone = beam_search(model, one, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
+        assert alone.tokens[0] == batch.tokens[row]
+        assert float(alone.scores[0]) == pytest.approx(float(batch.scores[row]), abs=1e-5)
+        lengths.add(len(alone.tokens[0]))
+    assert len(lengths) > 1  # sentences finished at different steps
+
+
+def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
+    model = tiny_model(seed=7)
+    src = sources([2, 6], 24)  # 3 and 7 source tokens with EOS
+    for search in (
+        lambda: beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=3, min_len=50),
+        lambda: greedy_search(model, src, max_len_b=3, min_len=50),
+    ):
+        result = search()
+        assert [len(t) for t in result.tokens] == [3 + 3, 7 + 3]
+        assert all(EOS_ID not in t and PAD_ID not in t and BOS_ID not in t for t in result.tokens)
+
+
+def test_bfloat16_model_gives_float32_scores():
+    model = tiny_model(dtype=torch.bfloat16)
+    result = beam_search(model, sources([3, 5], 24), beam_size=4, alpha=0.6, max_len_b=4)
+    assert result.scores.dtype == torch.float32
+    assert torch.isfinite(result.scores).all()
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_decoding_runs_and_mostly_agrees_with_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_model(dtype=torch.float32)
+    src = sources([3, 8, 5, 6], 24)
+    cpu = beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=5)
+    gpu = beam_search(model.cuda().to(torch.bfloat16), src.cuda(), beam_size=4, alpha=0.6, max_len_b=5)
+    assert gpu.scores.dtype == torch.float32 and len(gpu.tokens) == len(cpu.tokens)
+    assert torch.allclose(gpu.scores.cpu(), cpu.scores, atol=0.1)

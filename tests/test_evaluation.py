@@ -1,0 +1,118 @@
+"""BLEU: the paper-comparable tokenized score checked by hand and against sacreBLEU, and evaluate.py
+end to end on a few Multi30k-style lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sacrebleu.metrics import BLEU
+
+from transformer.config import ConfigError, DataConfig
+from transformer.evaluation import (
+    moses_tokenize,
+    paper_table,
+    read_split,
+    sacre_bleu,
+    score_all,
+    split_compounds,
+    tokenized_bleu,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+HYPOTHESES = ["Die Grenz-Kontrolle war streng.", "Es ist ein gutes Buch."]
+REFERENCES = ["Die Grenz-Kontrolle war sehr streng.", "Es ist ein gutes Buch."]
+
+
+def test_tokenization_is_moses_then_compound_splitting():
+    tokenized = ["Die Grenz ##AT##-##AT## Kontrolle war streng .", "Es ist ein gutes Buch ."]
+    assert moses_tokenize(HYPOTHESES, "de") == tokenized
+    # like perl's s{(\S)-(\S)}{...}g: matches do not overlap, a lone or trailing hyphen stays
+    assert split_compounds("a-b-c x - y e-") == "a ##AT##-##AT## b-c x - y e-"
+    assert moses_tokenize(['Er sagte "ja" & ging.'], "de") == ["Er sagte &quot; ja &quot; &amp; ging ."]
+
+
+def test_tokenized_bleu_by_hand():
+    """Tokens: hyp 7 + 6 = 13, ref 8 + 6 = 14. Matches, sentence 1 + sentence 2:
+    1-grams 7/7 + 6/6; 2-grams 5/6 + 5/5 ("war streng" is not in the reference);
+    3-grams 3/5 + 4/4; 4-grams 2/4 + 3/3. BLEU = BP * geometric mean, BP = exp(1 - 14/13)."""
+    precisions = [13 / 13, 10 / 11, 7 / 9, 5 / 7]
+    expected = 100 * math.exp(1 - 14 / 13) * math.exp(sum(math.log(p) for p in precisions) / 4)
+    result = tokenized_bleu(HYPOTHESES, REFERENCES, "de")
+    assert result.score == pytest.approx(expected, abs=1e-9)
+    assert result.precisions == pytest.approx([100 * p for p in precisions])
+    assert (result.hyp_len, result.ref_len) == (13, 14)
+    hyp, ref = moses_tokenize(HYPOTHESES, "de"), moses_tokenize(REFERENCES, "de")
+    pre_tokenized = BLEU(tokenize="none").corpus_score(hyp, [ref])  # sacreBLEU -tok none
+    assert result.score == pytest.approx(pre_tokenized.score, abs=1e-12)
+    assert "tok:none" in result.signature and "case:mixed" in result.signature
+
+
+def test_lowercased_and_sacrebleu_variants():
+    hyp, ref = ["das haus ist sehr alt und klein ."], ["Das Haus ist sehr alt und klein ."]
+    assert tokenized_bleu(hyp, ref, "de", lowercase=True).score == pytest.approx(100.0)
+    cased = 100 * (6 / 8 * 5 / 7 * 4 / 6 * 3 / 5) ** 0.25  # "das haus" misses 1-, 2-, 3- and 4-grams
+    assert tokenized_bleu(hyp, ref, "de").score == pytest.approx(cased)
+    sacre = sacre_bleu(HYPOTHESES, REFERENCES)
+    assert sacre.score == pytest.approx(BLEU().corpus_score(HYPOTHESES, [REFERENCES]).score)
+    assert "tok:13a" in sacre.signature and "case:mixed" in sacre.signature
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        sacre_bleu(HYPOTHESES, REFERENCES[:1])
+
+
+def test_paper_table_puts_published_figures_beside_ours():
+    scores = score_all(HYPOTHESES, REFERENCES, "de", lowercase=False)
+    table = paper_table(scores, "wmt14_en_de", "test")
+    assert "27.30" in table and "28.40" in table and "newstest2014" not in table.splitlines()[0]
+    delta = scores["tokenized"].score - 27.3
+    assert f"{delta:+.2f} for this checkpoint" in table
+    assert "25.80" in paper_table(scores, "wmt14_en_de", "valid")
+    assert "41.02" in paper_table(scores, "multi30k", "test") and "not scored here" in paper_table(
+        scores, "multi30k", "test")
+
+
+def write_corpus(directory: Path, src: list[str], tgt: list[str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "test_2016_flickr.en").write_text("".join(s + "\n" for s in src), encoding="utf-8")
+    (directory / "test_2016_flickr.de").write_text("".join(t + "\n" for t in tgt), encoding="utf-8")
+    return directory
+
+
+def test_read_split_reads_only_that_split(tmp_path):
+    corpus = write_corpus(tmp_path / "m30k", ["A dog.", "A cat."], ["Ein Hund.", "Eine Katze."])
+    cfg = DataConfig(name="multi30k", source="local", path=str(corpus),
+                     local_splits={"train": "train", "valid": "val", "test": "test_2016_flickr"})
+    split = read_split(cfg, "test")  # there are no train or val files: they are not read
+    assert split.name == "test_2016_flickr"
+    assert (split.src, split.tgt) == (["A dog.", "A cat."], ["Ein Hund.", "Eine Katze."])
+    with pytest.raises(ConfigError, match="no 'valid' split"):
+        read_split(DataConfig(name="x", source="local", path=str(corpus), splits={"train": "t"}), "valid")
+
+
+def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
+    checkpoint = Path(shutil.copy(tiny_checkpoint, tmp_path / "checkpoint_last.pt"))
+    src = ["The cat sees the house.", "A dog likes a red ball.", "My friend finds the old tree."]
+    references = ["Die Katze sieht das Haus.", "Ein Hund mag den Ball.", "Ja."]
+    corpus = write_corpus(tmp_path / "m30k", src, references)
+    script = str(ROOT / "scripts" / "evaluate.py")
+    command = [sys.executable, script, f"checkpoint={checkpoint}", "data=multi30k", "data.source=local",
+               "split=test", "beam_size=2", "max_len_b=10", f"data.path={corpus}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "41.02" in done.stdout and "tokenized_lowercase" in done.stdout
+    result = json.loads((tmp_path / "checkpoint_last.pt.multi30k.test.bleu.json").read_text())
+    hypotheses = (tmp_path / "checkpoint_last.pt.multi30k.test.hyp.de").read_text().splitlines()
+    assert len(hypotheses) == result["sentences"] == 3 and result["split_name"] == "test_2016_flickr"
+    expected = tokenized_bleu(hypotheses, references, "de", lowercase=True).score
+    assert result["scores"]["tokenized_lowercase"]["score"] == pytest.approx(expected)
+    command[-1] = f"data.path={tmp_path / 'nowhere'}"
+    missing = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert missing.returncode == 2 and missing.stderr.strip().startswith("error: ")
+    assert "nowhere" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1

@@ -1,0 +1,135 @@
+"""translate.py end to end: the real command in a subprocess, on a tiny untrained checkpoint.
+
+Each subprocess costs seconds of imports, so each call checks several things at once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transformer.config import ConfigError, TranslateConfig
+from transformer.translation import Translator, split_input
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def translate(*overrides: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "translate.py"), *overrides],
+        input=stdin, capture_output=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_every_input_line_gets_one_output_line(tiny_checkpoint):
+    too_long = " ".join(["the old tree"] * 100)  # far more pieces than the 128 positions allow
+    lines = [
+        b"The cat sees the house.",
+        b"",
+        b"   \t ",
+        b"My friend \xff\xfe finds das Haus.",  # invalid UTF-8
+        too_long.encode(),
+        "emoji \U0001f600, control \x07\x0b\x0c chars, \u2028 separator, CJK \u4e2d\u6587".encode(),
+        b"A dog likes a red ball.\r",  # CRLF line ending
+        b"Ein Hund",  # no final newline
+    ]
+    done = translate(f"checkpoint={tiny_checkpoint}", "beam_size=2", stdin=b"\n".join(lines))
+    assert done.returncode == 0, done.stderr.decode()
+    output = done.stdout.decode("utf-8").split("\n")
+    assert output[-1] == ""  # every line ends with a newline
+    output = output[:-1]
+    assert len(output) == len(lines)
+    assert output[1] == "" and output[2] == ""
+    assert all(output[i] for i in (0, 3, 4, 5, 6, 7))  # an untrained model still says something
+    errors = done.stderr.decode()
+    assert "line 4: invalid UTF-8" in errors
+    assert "line 5:" in errors and "translating the first" in errors
+    assert "Traceback" not in errors
+
+
+def test_input_and_output_files_and_one_text(tiny_checkpoint, tmp_path):
+    source = tmp_path / "in.en"
+    source.write_text("The cat sees the house.\n\nA dog likes a red ball.\n", encoding="utf-8")
+    target = tmp_path / "out.de"
+    done = translate(f"checkpoint={tiny_checkpoint}", f"input={source}", f"output={target}", "max_tokens=16")
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout == b""
+    written = target.read_text(encoding="utf-8").split("\n")
+    assert len(written) == 4 and written[1] == "" and written[3] == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.en", "out.de"]  # no temp file left
+    one = translate(f"checkpoint={tiny_checkpoint}", "text=The cat sees the house.")
+    assert one.returncode == 0, one.stderr.decode()
+    assert one.stdout.decode() == written[0] + "\n"  # the same sentence alone, the same translation
+
+
+@pytest.mark.parametrize(
+    "make_path, message",
+    [
+        (lambda tmp: tmp / "missing.pt", "checkpoint not found"),
+        (lambda tmp: tmp, "is a directory"),
+        (lambda tmp: _write(tmp / "notes.pt", b"not a checkpoint at all"), "is not a readable checkpoint"),
+    ],
+    ids=["missing", "directory", "not-a-checkpoint"],
+)
+def test_a_bad_checkpoint_path_is_one_line_and_exit_code_2(tmp_path, make_path, message):
+    done = translate(f"checkpoint={make_path(tmp_path)}", stdin=b"Hello.\n")
+    errors = done.stderr.decode().strip()
+    assert done.returncode == 2
+    assert len(errors.splitlines()) == 1 and errors.startswith("error: ") and message in errors
+    assert done.stdout == b""
+
+
+def test_missing_checkpoint_setting_and_unknown_key(tiny_checkpoint):
+    done = translate(stdin=b"Hello.\n")
+    assert done.returncode == 2 and done.stderr.decode().strip() == (
+        "error: checkpoint=PATH is required (a .pt file written by train.py)"
+    )
+    unknown = translate(f"checkpoint={tiny_checkpoint}", "beam=4")
+    assert unknown.returncode != 0 and "Could not override 'beam'" in unknown.stderr.decode()
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_sorted_batches_come_back_in_input_order(tiny_checkpoint):
+    """Length-sorted, token-budget batches give each line the translation it gets alone."""
+    translator = Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), max_tokens=20))
+    lines = ["A dog.", "The cat sees the house and the old tree.", "", "Mein Freund mag das Haus.", "Ein"]
+    together = translator.translate(lines)
+    alone = [translator.translate([line])[0] for line in lines]
+    assert together == alone
+    assert len({len(line) for line in together if line}) > 1  # the outputs really differ
+
+
+def test_split_input_splits_on_newline_only():
+    data = "a\u2028b\x0cc\r\n\nd\xff".encode() + b"\xff\n"
+    assert split_input(data) == ["a\u2028b\x0cc", "", "d\xff\ufffd"]
+    assert split_input(b"") == [] and split_input(b"\n") == [""]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"beam_size": "abc"}, "beam_size='abc' must be a whole number"),
+        ({"beam_size": 0}, "beam_size=0 must be at least 1"),
+        ({"alpha": "high"}, "alpha='high' must be a number"),
+        ({"device": "tpu"}, "device='tpu' must be"),
+        ({"text": "a", "input": "b.txt"}, "either text=... or input=FILE"),
+    ],
+)
+def test_bad_settings_are_named(tiny_checkpoint, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        TranslateConfig(checkpoint=str(tiny_checkpoint), **settings)
+
+
+def test_settings_that_leave_no_room_and_a_text_hydra_read_as_a_number(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="max_len_b=200 leaves no room"):
+        Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_b=200))
+    assert TranslateConfig(checkpoint=str(tiny_checkpoint), text=123).text == "123"

@@ -1,0 +1,242 @@
+"""Greedy and beam search over a trained Transformer (§6.1).
+
+The paper decodes with "beam search with a beam size of 4 and length penalty alpha = 0.6" and sets
+"the maximum output length during inference to input length + 50, but terminate[s] early when
+possible". The details it leaves open follow tensor2tensor, the paper's own code, and fairseq:
+
+- Length penalty (GNMT, Wu et al. 2016, Eq. 14): hypotheses are ranked by log P(Y|X) / lp(Y) with
+  lp(Y) = ((5 + |Y|) / 6)^alpha. |Y| counts every generated token *including* the final EOS, as
+  tensor2tensor does (its penalty at step i uses i + 1): "a b EOS" has |Y| = 3.
+- Maximum output length: L = max_len_a * |X| + max_len_b, |X| the source tokens including its EOS
+  (the paper: a = 1, b = 50), capped at the model's positions. A hypothesis still open after L steps
+  is finished as it stands, without EOS, with |Y| = L, and competes with the others (as Hugging Face's
+  beam search does).
+- Candidates: each step ranks the k x V extensions of the k live hypotheses (in practice only each
+  hypothesis' 2k best tokens, the only ones that can reach the sentence's 2k best). One ending in EOS
+  is finished when it ranks among the k best (as fairseq), so a beam of 1 with alpha = 0 is greedy
+  search; the k best extensions not ending in EOS stay live.
+- Early stop: a sentence is done once its best finished score beats every score a live hypothesis
+  could still reach. Log-probabilities only fall as a hypothesis grows, and lp grows with length, so
+  a live raw score s <= 0 can reach at most s / lp(L) (tensor2tensor's bound); with alpha = 0 that is s.
+  Done sentences leave the batch, so the remaining ones decode faster.
+
+Each step feeds one token per hypothesis through `Transformer.decode_step` with the explicit
+`DecoderCache`; beams are reordered with `cache.select(..., cross=False)`, since every beam of one
+sentence shares the same encoder-decoder keys and values. Scores are accumulated in float32, so the
+model may run in bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.model import Transformer
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SearchResult:
+    """One hypothesis per source sentence, in the order of the batch."""
+
+    tokens: list[list[int]]  # piece ids, without BOS and EOS
+    scores: Tensor  # (B,) float32: log P(Y|X) / lp(Y) for beam search, log P(Y|X) for greedy
+
+
+def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+    """GNMT length penalty lp(Y) = ((5 + |Y|) / 6)^alpha (§6.1; Wu et al. 2016, Eq. 14)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_output_lengths(src_mask: Tensor, max_len_a: float, max_len_b: int, max_positions: int) -> Tensor:
+    """(B,) L = a * |X| + b output tokens (§6.1: input length + 50), at most the model's positions."""
+    lengths = (max_len_a * src_mask.sum(dim=1).float() + max_len_b).long()
+    return lengths.clamp(min=1, max=max_positions)
+
+
+def _best_next(logits: Tensor, step: int, min_len: int, n: int) -> tuple[Tensor, Tensor]:
+    """The n most probable next tokens of each row of logits (N, V) and their float32
+    log P(y_step | y_<step, X). PAD and BOS are never generated; EOS is held back while
+    step <= min_len (only benchmarks that force an output length set min_len)."""
+    log_probs = logits.log_softmax(dim=-1, dtype=torch.float32)  # (N, V), over the whole vocabulary
+    log_probs[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = NEG_INF
+    return log_probs.topk(min(n, log_probs.size(-1)), dim=-1)  # (N, n) twice
+
+
+class _Results:
+    """The finished hypothesis of every sentence of the original batch, filled as sentences finish."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
+        self.scores = torch.full((batch_size,), NEG_INF)
+
+    def store(self, ids: Tensor, tokens: Tensor, lengths: Tensor, scores: Tensor) -> None:
+        """ids (n,) positions in the original batch; tokens (n, T) with the first `lengths` valid."""
+        for i, row, n, score in zip(ids.tolist(), tokens.tolist(), lengths.tolist(), scores.tolist()):
+            self.tokens[i] = row[:n]
+            self.scores[i] = score
+
+    def result(self) -> SearchResult:
+        return SearchResult(self.tokens, self.scores)
+
+
+@torch.inference_mode()
+def greedy_search(
+    model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0
+) -> SearchResult:
+    """The most probable next token at every step; src (B, S) = pieces + [EOS], padded with PAD_ID.
+
+    Scores are raw log-probabilities. Finished sentences leave the batch.
+    """
+    src_mask = model.src_mask(src)  # (B, S)
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
+    n = src.size(0)
+    ids = torch.arange(n, device=src.device)  # original batch position of each row
+    tokens = src.new_full((n, 1), BOS_ID)  # (N, t + 1): BOS and the tokens so far
+    scores = torch.zeros(n, device=src.device)
+    results, cache = _Results(n), None
+    for step in range(1, int(max_len.max()) + 1):
+        # after the first step the cache holds every layer's cross-attention keys and values
+        logits, cache = model.decode_step(tokens[:, -1:], memory if cache is None else None, src_mask, cache)
+        best, token = _best_next(logits[:, -1], step, min_len, 1)  # (N, 1)
+        token = token[:, 0]
+        scores = scores + best[:, 0]
+        tokens = torch.cat([tokens, token[:, None]], dim=1)
+        ended = token == EOS_ID
+        done = ended | (max_len == step)
+        if done.any():
+            lengths = torch.full_like(ids, step) - ended.long()  # EOS is not part of the output
+            results.store(ids[done], tokens[done, 1:], lengths[done], scores[done])
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            ids, tokens, scores, max_len = ids[keep], tokens[keep], scores[keep], max_len[keep]
+            src_mask, cache = src_mask[keep], cache.select(keep)
+    return results.result()
+
+
+@dataclass
+class _Beams:
+    """The live state of N sentences x k beams; rows of N * k are sentence-major."""
+
+    ids: Tensor  # (N,) original batch position of each sentence
+    max_len: Tensor  # (N,) maximum output length L
+    src_mask: Tensor  # (N * k, S)
+    tokens: Tensor  # (N * k, t) tokens generated so far
+    scores: Tensor  # (N, k) float32 log P of each live hypothesis
+    best: Tensor  # (N,) float32 normalized score of the best finished hypothesis
+    best_tokens: Tensor  # (N, max L) its tokens
+    best_len: Tensor  # (N,) its length, EOS excluded
+
+    def keep(self, sentences: Tensor, k: int) -> tuple[_Beams, Tensor]:
+        """Only `sentences` (n,) stay; also returns their rows (n * k,) for the decoder cache."""
+        rows = (sentences[:, None] * k + torch.arange(k, device=sentences.device)).view(-1)  # (n * k,)
+        per_row = ("src_mask", "tokens")
+        kept = {f.name: getattr(self, f.name)[rows if f.name in per_row else sentences] for f in fields(self)}
+        return _Beams(**kept), rows
+
+
+@torch.inference_mode()
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    min_len: int = 0,
+) -> SearchResult:
+    """Beam search with the GNMT length penalty (§6.1), batched over the sentences of src (B, S).
+
+    src rows are pieces + [EOS], padded with PAD_ID. See the module docstring for the exact rules.
+    """
+    k, b = beam_size, src.size(0)
+    src_mask = model.src_mask(src)  # (B, S)
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
+    # Step 1 sees the same prefix [BOS] in every beam: run it once per sentence; its reorder then
+    # copies each sentence's cache row (cross K/V included) into its k beams.
+    logits, cache = model.decode_step(src.new_full((b, 1), BOS_ID), memory, src_mask)
+    beams = _Beams(
+        ids=torch.arange(b, device=src.device),
+        max_len=max_len,
+        src_mask=src_mask.repeat_interleave(k, dim=0),  # (B * k, S)
+        tokens=src.new_zeros(b, 0),
+        scores=torch.zeros(b, 1, device=src.device),  # one live hypothesis per sentence: [BOS]
+        best=torch.full((b,), NEG_INF, device=src.device),
+        best_tokens=src.new_zeros(b, int(max_len.max())),
+        best_len=src.new_zeros(b),
+    )
+    results = _Results(b)
+    # Only a row's 2k best tokens can be among the 2k best candidates of its sentence.
+    top = _best_next(logits[:, -1], 1, min_len, 2 * k)  # (B, 2k) twice
+    for step in range(1, int(max_len.max()) + 1):
+        beams, reorder = _advance(beams, *top, step, k, alpha)
+        # Done: at the length limit, or no live hypothesis can still beat the best finished one.
+        bound = beams.scores.max(dim=1).values / length_penalty(beams.max_len, alpha)  # (N,)
+        done = (beams.max_len == step) | (beams.best >= bound)
+        shrink = bool(done.any())
+        if shrink:
+            results.store(beams.ids[done], beams.best_tokens[done], beams.best_len[done], beams.best[done])
+            if bool(done.all()):
+                break
+            beams, kept = beams.keep((~done).nonzero().squeeze(1), k)
+            reorder = reorder[kept]  # (n * k,) the cache rows the kept hypotheses extend
+        cache = cache.select(reorder, cross=step == 1 or shrink)
+        # memory=None: every layer's cross-attention keys and values are already in the cache
+        logits, cache = model.decode_step(beams.tokens[:, -1:], None, beams.src_mask, cache)
+        top = _best_next(logits[:, -1], step + 1, min_len, 2 * k)  # (N * k, 2k) twice
+    return results.result()
+
+
+def _advance(
+    beams: _Beams, log_probs: Tensor, next_tokens: Tensor, step: int, k: int, alpha: float
+) -> tuple[_Beams, Tensor]:
+    """Extend every live hypothesis by one token (step `step`), finish those ending in EOS (or at L).
+
+    log_probs, next_tokens: (N * k_in, m), the m best next tokens of each live hypothesis, k_in of
+    them per sentence (1 at step 1, k after). Returns the new beams and, for each new row, the old
+    row it extends (to reorder the decoder cache).
+    """
+    n, k_in = beams.scores.shape
+    m = log_probs.size(-1)
+    candidates = (beams.scores[:, :, None] + log_probs.view(n, k_in, m)).view(n, k_in * m)
+    if candidates.size(1) < 2 * k:  # fewer candidates than asked for: pad with impossible ones
+        candidates = F.pad(candidates, (0, 2 * k - candidates.size(1)), value=NEG_INF)
+    top_scores, top_index = candidates.topk(2 * k, dim=1)  # (N, 2k), best first
+    top_index = top_index.clamp(max=k_in * m - 1)  # padding -> any real candidate (its score stays -inf)
+    top_row = torch.arange(n, device=top_index.device)[:, None] * k_in + top_index // m  # (N, 2k) old row
+    top_token = next_tokens.view(n, k_in * m).gather(1, top_index)  # (N, 2k)
+    is_eos = top_token == EOS_ID
+    # k new live hypotheses: the best candidates that do not end in EOS (at most k_in <= k of 2k do).
+    live_scores, pick = top_scores.masked_fill(is_eos, NEG_INF).topk(k, dim=1)  # (N, k)
+    reorder = top_row.gather(1, pick).view(-1)  # (N * k,)
+    tokens = torch.cat([beams.tokens[reorder], top_token.gather(1, pick).view(-1, 1)], dim=1)  # (N * k, step)
+    # Finished now: an EOS among the k best candidates, and every live hypothesis at the limit L.
+    penalty = length_penalty(step, alpha)
+    eos_best, eos_pick = (top_scores[:, :k].masked_fill(~is_eos[:, :k], NEG_INF) / penalty).max(dim=1)  # (N,)
+    eos_row = top_row[:, :k].gather(1, eos_pick[:, None]).squeeze(1)  # (N,)
+    beams = _finish(beams, eos_best, beams.tokens[eos_row], step - 1)  # EOS itself is not output
+    at_limit = (beams.max_len == step)[:, None]  # (N, 1)
+    cut_best, cut_pick = (live_scores / penalty).masked_fill(~at_limit, NEG_INF).max(dim=1)  # (N,)
+    beams = _finish(beams, cut_best, tokens.view(n, k, step)[torch.arange(n), cut_pick], step)
+    return replace(beams, tokens=tokens, scores=live_scores), reorder
+
+
+def _finish(beams: _Beams, scores: Tensor, tokens: Tensor, length: int) -> _Beams:
+    """Make (scores (N,), tokens (N, >= length)) the best finished hypotheses where they beat the old."""
+    better = scores > beams.best  # (N,)
+    best_tokens = beams.best_tokens.clone()
+    best_tokens[:, :length] = torch.where(better[:, None], tokens[:, :length], best_tokens[:, :length])
+    return replace(
+        beams,
+        best=torch.where(better, scores, beams.best),
+        best_tokens=best_tokens,
+        best_len=torch.where(better, length, beams.best_len),
+    )

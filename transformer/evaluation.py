@@ -1,0 +1,191 @@
+"""BLEU as the paper reports it, and as it is reported today (§6.1, Table 2, Table 3).
+
+- `sacre_bleu`: sacreBLEU on detokenized, cased text (13a tokenization), with its signature: the
+  number to compare across papers today.
+- `tokenized_bleu`: the number the paper's Table 2 is comparable to. tensor2tensor's
+  `get_ende_bleu.sh` tokenizes hypothesis and reference with Moses' `tokenizer.perl -l de` (default
+  options: XML escaping on, no aggressive hyphen splitting), splits compounds, "rich-text" ->
+  "rich ##AT##-##AT## text" (replacing `(\\S)-(\\S)` once, left to right), and scores with
+  `multi-bleu.perl`. Here sacremoses does the tokenizing and sacreBLEU with `tokenize="none"` the
+  scoring: on the same whitespace tokens it computes multi-bleu's corpus BLEU (one reference).
+  The reference is tokenized here as well; t2t used the pre-tokenized newstest files.
+- `lowercase=True`: the same, lowercased (multi-bleu.perl -lc), how Multi30k results are reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sacrebleu.metrics import BLEU
+from sacremoses import MosesTokenizer
+
+from transformer.config import ConfigError, DataConfig, EvaluateConfig, to_dict
+from transformer.data.binarize import write_atomic
+from transformer.data.sources import Split, load_splits, split_names
+from transformer.translation import Translator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published BLEU score to compare against."""
+
+    model: str
+    bleu: float
+    test_set: str
+    metric: str  # "tokenized" | "tokenized_lowercase" (the keys of `score_all`)
+    source: str
+
+
+PUBLISHED: dict[tuple[str, str], list[Published]] = {
+    ("wmt14_en_de", "test"): [
+        Published("Transformer (base)", 27.3, "newstest2014", "tokenized", "Vaswani et al. 2017, Table 2"),
+        Published("Transformer (big)", 28.4, "newstest2014", "tokenized", "Vaswani et al. 2017, Table 2"),
+    ],
+    ("wmt14_en_de", "valid"): [
+        Published("Transformer (base)", 25.8, "newstest2013", "tokenized", "Vaswani et al. 2017, Table 3"),
+        Published("Transformer (big)", 26.4, "newstest2013", "tokenized", "Vaswani et al. 2017, Table 3"),
+    ],
+    ("multi30k", "test"): [
+        Published(
+            "Transformer-tiny (4+4 layers, d=128, beam 5)", 41.02, "test_2016_flickr",
+            "tokenized_lowercase", "Wu et al. 2021 (ACL), 'Good for Misconceived Reasons'",
+        ),
+    ],
+}
+
+_COMPOUND = re.compile(r"(\S)-(\S)")
+
+
+def split_compounds(line: str) -> str:
+    """t2t's `perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'`: "a-b" -> "a ##AT##-##AT## b"."""
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+
+
+def moses_tokenize(lines: list[str], lang: str) -> list[str]:
+    """tokenizer.perl -l lang with its default options (XML escaping on), then compound splitting."""
+    tokenizer = MosesTokenizer(lang=lang)
+    return [split_compounds(tokenizer.tokenize(line, escape=True, return_str=True)) for line in lines]
+
+
+@dataclass
+class Bleu:
+    score: float
+    precisions: list[float]  # 1- to 4-gram precisions, percent
+    brevity_penalty: float
+    hyp_len: int
+    ref_len: int
+    signature: str
+
+
+def _bleu(hypotheses: list[str], references: list[str], **options: object) -> Bleu:
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    metric = BLEU(force=True, **options)  # force: pre-tokenized input is intended here
+    result = metric.corpus_score(hypotheses, [references])
+    return Bleu(result.score, list(result.precisions), result.bp, result.sys_len, result.ref_len,
+                str(metric.get_signature()))
+
+
+def sacre_bleu(hypotheses: list[str], references: list[str]) -> Bleu:
+    """sacreBLEU, detokenized and cased (tok:13a)."""
+    return _bleu(hypotheses, references)
+
+
+def tokenized_bleu(
+    hypotheses: list[str], references: list[str], lang: str = "de", lowercase: bool = False
+) -> Bleu:
+    """The paper-comparable BLEU of tensor2tensor's get_ende_bleu.sh (see the module docstring)."""
+    return _bleu(moses_tokenize(hypotheses, lang), moses_tokenize(references, lang), tokenize="none",
+                 lowercase=lowercase)
+
+
+def score_all(hypotheses: list[str], references: list[str], lang: str, lowercase: bool) -> dict[str, Bleu]:
+    """Every BLEU variant: sacrebleu, tokenized, and (when asked) tokenized_lowercase."""
+    scores = {
+        "sacrebleu": sacre_bleu(hypotheses, references),
+        "tokenized": tokenized_bleu(hypotheses, references, lang),
+    }
+    if lowercase:
+        scores["tokenized_lowercase"] = tokenized_bleu(hypotheses, references, lang, lowercase=True)
+    return scores
+
+
+def published(data_name: str, role: str) -> list[Published]:
+    return PUBLISHED.get((data_name, role), [])
+
+
+def paper_table(scores: dict[str, Bleu], data_name: str, role: str, label: str = "this checkpoint") -> str:
+    """A text table: this checkpoint's BLEU variants, then each published figure beside ours."""
+    rows = [(f"{label}: {name}", bleu.score, bleu.signature) for name, bleu in scores.items()]
+    for figure in published(data_name, role):
+        ours = scores.get(figure.metric)
+        delta = f"{ours.score - figure.bleu:+.2f} for this checkpoint" if ours else "not scored here"
+        rows.append((f"{figure.model}", figure.bleu, f"{figure.source}; {figure.metric}; {delta}"))
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{'':{width}}   BLEU  metric"]
+    lines += [f"{name:{width}}  {score:5.2f}  {note}" for name, score, note in rows]
+    return "\n".join(lines)
+
+
+def report(scores: dict[str, Bleu], data_name: str, role: str) -> dict[str, object]:
+    """The JSON-ready form of the scores and the published figures."""
+    return {
+        "scores": {name: asdict(bleu) for name, bleu in scores.items()},
+        "published": [asdict(figure) for figure in published(data_name, role)],
+    }
+
+
+def wants_lowercase(data_name: str, role: str) -> bool:
+    """Score lowercased too where the published figures for this corpus are lowercased."""
+    return any(figure.metric == "tokenized_lowercase" for figure in published(data_name, role))
+
+
+def read_split(cfg: DataConfig, role: str) -> Split:
+    """The raw source and reference text of one split (role), reading only that split."""
+    names = split_names(cfg)
+    if role not in names:
+        raise ConfigError(f"data {cfg.name} has no '{role}' split; it has: {', '.join(names)}")
+    only = copy.copy(cfg)  # the same corpus, asked for one split (no validation: 'train' is left out)
+    only.splits, only.local_splits = {role: names[role]}, None
+    return load_splits(only)[role]
+
+
+def evaluate_checkpoint(cfg: EvaluateConfig) -> dict[str, Any]:
+    """Translate the raw source side of split `cfg.split`, score it, and write beside the checkpoint
+    `<checkpoint>.<data>.<split>.bleu.json` and the hypotheses; returns that JSON plus "table"."""
+    translator = Translator.from_checkpoint(cfg)  # a bad checkpoint fails before any reading or decoding
+    data = cfg.data
+    split = read_split(data, cfg.split)
+    meta = translator.info.get("data_meta") or {}
+    trained = (meta.get("src_lang"), meta.get("tgt_lang"))
+    if trained not in ((None, None), (data.src_lang, data.tgt_lang)):
+        log.warning("the checkpoint translates %s->%s but data %s is %s->%s", *trained, data.name,
+                    data.src_lang, data.tgt_lang)
+    hypotheses = translator.translate(split.src, progress=True)
+    lowercase = cfg.lowercase if cfg.lowercase is not None else wants_lowercase(data.name, cfg.split)
+    scores = score_all(hypotheses, split.tgt, data.tgt_lang, lowercase)
+    stem = f"{cfg.checkpoint}.{data.name}.{cfg.split}"
+    result: dict[str, Any] = {
+        "checkpoint": cfg.checkpoint,
+        "step": translator.info.get("step"),
+        "data": data.name,
+        "split": cfg.split,
+        "split_name": split.name,
+        "sentences": len(hypotheses),
+        **report(scores, data.name, cfg.split),
+        "hypotheses": f"{stem}.hyp.{data.tgt_lang}",
+        "settings": {k: v for k, v in to_dict(cfg).items() if k != "data"},
+    }
+    write_atomic(Path(result["hypotheses"]), "".join(h + "\n" for h in hypotheses).encode("utf-8"))
+    write_atomic(Path(f"{stem}.bleu.json"), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
+    title = f"BLEU of {cfg.checkpoint} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
+    footer = f"wrote {stem}.bleu.json and {result['hypotheses']}"
+    return {**result, "table": f"{title}\n{paper_table(scores, data.name, cfg.split)}\n{footer}"}

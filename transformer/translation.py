@@ -1,0 +1,147 @@
+"""Translate lines of text with a checkpoint: the part shared by translate.py, evaluate.py and the
+attention script. Bad input never stops a run: an empty line translates to an empty line, invalid
+UTF-8 is replaced, an over-long line is truncated (each with a warning naming the line), and there is
+always exactly one output line per input line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import torch
+from tqdm import tqdm
+
+from transformer.config import ConfigError, DecodeConfig
+from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer.decoding import SearchResult, beam_search, greedy_search
+from transformer.model import Transformer
+from transformer.training.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def exit_with_error(error: BaseException) -> NoReturn:
+    """What the command-line apps do with a user's mistake: one line on stderr, exit status 2."""
+    message = str(error).strip().splitlines()
+    print(f"error: {message[0] if message else type(error).__name__}", file=sys.stderr)
+    sys.exit(2)
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" = the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} was asked for, but this machine has no CUDA device; use device=cpu")
+    return torch.device(name)
+
+
+class Translator:
+    """A checkpoint's model and tokenizer with the decoding settings of `DecodeConfig` (§6.1)."""
+
+    def __init__(
+        self, model: Transformer, tokenizer: Tokenizer, cfg: DecodeConfig, info: dict[str, Any] | None = None
+    ) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.info = info or {}  # the checkpoint's step, data_meta and run config
+        self.device = next(model.parameters()).device
+        positions = model.cfg.max_positions
+        # Longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b outputs.
+        room = positions if cfg.max_len_a == 0 else int((positions - cfg.max_len_b) / cfg.max_len_a)
+        self.max_source_tokens = min(positions, room)
+        if self.max_source_tokens < 2:
+            raise ConfigError(
+                f"max_len_b={cfg.max_len_b} leaves no room for a source in this model's "
+                f"{positions} positions; lower max_len_b or max_len_a"
+            )
+
+    @classmethod
+    def from_checkpoint(cls, cfg: DecodeConfig) -> Translator:
+        """Everything comes from the checkpoint file; problems raise CheckpointError or ConfigError."""
+        device = resolve_device(cfg.device)
+        ckpt = load_checkpoint(cfg.checkpoint)
+        if not ckpt.get("spm_model"):
+            raise CheckpointError(f"{cfg.checkpoint} carries no tokenizer (spm_model)")
+        try:
+            tokenizer = Tokenizer.from_bytes(ckpt["spm_model"])
+            model = model_from_checkpoint(ckpt, device)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # mismatched weights or config
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointError(f"{cfg.checkpoint} cannot be loaded: {first}") from None
+        if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
+            model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding.py)
+        return cls(model, tokenizer, cfg, {k: ckpt.get(k) for k in ("step", "data_meta", "config")})
+
+    def encode(self, lines: list[str]) -> list[list[int]]:
+        """Source ids (pieces + [EOS]) per line; over-long lines are truncated with a warning."""
+        sources = []
+        for number, line in enumerate(lines, start=1):
+            ids = self.tokenizer.encode(line) if line.strip() else []
+            if len(ids) + 1 > self.max_source_tokens:
+                log.warning(
+                    "line %d: %d pieces exceed the %d this model can take; translating the first %d",
+                    number, len(ids), self.max_source_tokens - 1, self.max_source_tokens - 1,
+                )
+                ids = ids[: self.max_source_tokens - 1]
+            sources.append(ids + [EOS_ID] if ids else [])
+        return sources
+
+    def search(self, src: torch.Tensor) -> SearchResult:
+        """Beam search as in §6.1 (beam_size=1: greedy) on a padded batch (B, S)."""
+        cfg = self.cfg
+        if cfg.beam_size == 1:
+            return greedy_search(self.model, src, cfg.max_len_a, cfg.max_len_b)
+        return beam_search(self.model, src, cfg.beam_size, cfg.alpha, cfg.max_len_a, cfg.max_len_b)
+
+    def translate_ids(self, sources: list[list[int]], progress: bool = False) -> list[list[int]]:
+        """Output piece ids per source; sources are batched by length and results put back in order."""
+        outputs: list[list[int]] = [[] for _ in sources]
+        todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
+        with tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating") as bar:
+            for batch in _batches(todo, [len(ids) for ids in sources], self.cfg.max_tokens):
+                src = torch.full((len(batch), len(sources[batch[0]])), PAD_ID, dtype=torch.long)  # (B, S)
+                for row, i in enumerate(batch):
+                    src[row, : len(sources[i])] = torch.tensor(sources[i])
+                result = self.search(src.to(self.device))
+                for i, tokens in zip(batch, result.tokens):
+                    outputs[i] = tokens
+                bar.update(len(batch))
+        return outputs
+
+    def translate(self, lines: list[str], progress: bool = False) -> list[str]:
+        """One output line per input line (line breaks inside a translation become spaces)."""
+        outputs = self.translate_ids(self.encode(lines), progress)
+        return [" ".join(self.tokenizer.decode(ids).splitlines()) if ids else "" for ids in outputs]
+
+
+def _batches(order: list[int], lengths: list[int], max_tokens: int) -> Iterator[list[int]]:
+    """Consecutive runs of `order` (longest first) whose padded size n x longest stays in budget."""
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) + 1) * lengths[batch[0]] > max_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def split_input(data: bytes) -> list[str]:
+    """Lines of raw input, split on b"\\n" only (so a stray U+2028 or form feed cannot add a line);
+    invalid UTF-8 is replaced by U+FFFD with a warning naming the line."""
+    lines = data.split(b"\n")
+    if lines[-1] == b"":  # the input ended with a newline (or was empty)
+        lines.pop()
+    text = []
+    for number, raw in enumerate(lines, start=1):
+        raw = raw.removesuffix(b"\r")
+        try:
+            text.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            log.warning("line %d: invalid UTF-8 (%s); undecodable bytes replaced", number, error.reason)
+            text.append(raw.decode("utf-8", errors="replace"))
+    return text
+
