@@ -37,7 +37,8 @@ def test_every_group_option_composes_and_validates(group):
 def test_paper_defaults():
     cfg = compose_train()
     m, o = cfg.model, cfg.optim
-    assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.d_k, m.d_v, m.dropout) == (6, 512, 2048, 8, 64, 64, 0.1)
+    shape = (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.d_k, m.d_v, m.dropout)
+    assert shape == (6, 512, 2048, 8, 64, 64, 0.1)
     assert (m.norm_first, m.positional, m.n_kv_heads) == (False, "sinusoidal", 8)
     assert (o.beta1, o.beta2, o.eps, o.warmup_steps, o.label_smoothing) == (0.9, 0.98, 1e-9, 4000, 0.1)
     assert cfg.data.vocab_size == 37000 and cfg.trainer.max_steps == 100000

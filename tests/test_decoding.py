@@ -50,8 +50,9 @@ class PrefixCache:
     prefix: torch.Tensor  # (N, t)
     memory: torch.Tensor  # (N, S, d_model)
 
-    def select(self, index: torch.Tensor, cross: bool = True) -> PrefixCache:
-        return PrefixCache(self.prefix[index], self.memory[index])
+    def select(self, index: torch.Tensor, cross_index: torch.Tensor | None) -> PrefixCache:
+        memory = self.memory if cross_index is None else self.memory[cross_index]
+        return PrefixCache(self.prefix[index], memory)
 
 
 class NoCacheModel:
@@ -69,7 +70,9 @@ class NoCacheModel:
     def decode_step(self, tokens, memory, src_mask, cache=None):
         cache = cache if cache is not None else PrefixCache(tokens[:, :0], memory)
         prefix = torch.cat([cache.prefix, tokens], dim=1)
-        return self.model.decode(prefix, cache.memory, src_mask)[:, -1:], PrefixCache(prefix, cache.memory)
+        beams = prefix.size(0) // cache.memory.size(0)  # beam search keeps one memory row per sentence
+        memory, src_mask = cache.memory.repeat_interleave(beams, 0), src_mask.repeat_interleave(beams, 0)
+        return self.model.decode(prefix, memory, src_mask)[:, -1:], PrefixCache(prefix, cache.memory)
 
 
 @torch.no_grad()

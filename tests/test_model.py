@@ -143,7 +143,7 @@ def test_cache_select_reorders_rows():
     memory = model.encode(src, mask)
     _, cache = model.decode_step(tgt[:, :2], memory, mask)
     index = torch.tensor([2, 0, 0])
-    step, _ = model.decode_step(tgt[index, 2:3], memory[index], mask[index], cache.select(index))
+    step, _ = model.decode_step(tgt[index, 2:3], memory[index], mask[index], cache.select(index, index))
     torch.testing.assert_close(step[:, 0], model.decode(tgt[index, :3], memory[index], mask[index])[:, 2])
 
 

@@ -142,11 +142,23 @@ class MultiHeadAttention(nn.Module):
             kv = KV(self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads))  # (B, H_kv, T, d)
             if past is not None:
                 kv = KV(torch.cat([past.k, kv.k], dim=2), torch.cat([past.v, kv.v], dim=2))
-        out = self._attend(q, kv, key_mask)  # (B, H, T_q, d_v)
+        if kv.k.size(0) != q.size(0):  # beam search: the beams of a sentence share its cross K/V
+            out = self._attend_beams(q, kv, key_mask)  # (B, H, T_q, d_v)
+        else:
+            out = self._attend(q, kv, key_mask)  # (B, H, T_q, d_v)
         b, _, t_q, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_v)  # (B, T_q, H * d_v)
         keep = self.kind == "cross" or past is not None
         return self.w_o(out), kv if keep else None
+
+    def _attend_beams(self, q: Tensor, kv: KV, key_mask: Tensor | None) -> Tensor:
+        """Cross-attention of q (N * k, H, T_q, d_k) over keys/values (N, H_kv, S, d) of N sentences:
+        each sentence's k beams become k x T_q queries of one attention, so K/V are never copied k times."""
+        n, (nk, h, t_q, d_k) = kv.k.size(0), q.shape
+        k = nk // n
+        q = q.view(n, k, h, t_q, d_k).transpose(1, 2).reshape(n, h, k * t_q, d_k)  # (N, H, k * T_q, d_k)
+        out = self._attend(q, kv, key_mask)  # (N, H, k * T_q, d_v)
+        return out.view(n, h, k, t_q, -1).transpose(1, 2).reshape(nk, h, t_q, -1)  # (N * k, H, T_q, d_v)
 
     def _attend(self, q: Tensor, kv: KV, key_mask: Tensor | None) -> Tensor:
         t_q, t_k = q.size(2), kv.k.size(2)

@@ -21,9 +21,9 @@ possible". The details it leaves open follow tensor2tensor, the paper's own code
   Done sentences leave the batch, so the remaining ones decode faster.
 
 Each step feeds one token per hypothesis through `Transformer.decode_step` with the explicit
-`DecoderCache`; beams are reordered with `cache.select(..., cross=False)`, since every beam of one
-sentence shares the same encoder-decoder keys and values. Scores are accumulated in float32, so the
-model may run in bfloat16.
+`DecoderCache`; beams are reordered with `cache.select(rows, None)`: the encoder-decoder keys and
+values keep one row per sentence, shared by its beams, and are only cut when sentences finish.
+Scores are accumulated in float32, so the model may run in bfloat16.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def greedy_search(
             if keep.numel() == 0:
                 break
             ids, tokens, scores, max_len = ids[keep], tokens[keep], scores[keep], max_len[keep]
-            src_mask, cache = src_mask[keep], cache.select(keep)
+            src_mask, cache = src_mask[keep], cache.select(keep, keep)
     return results.result()
 
 
@@ -127,7 +127,7 @@ class _Beams:
 
     ids: Tensor  # (N,) original batch position of each sentence
     max_len: Tensor  # (N,) maximum output length L
-    src_mask: Tensor  # (N * k, S)
+    src_mask: Tensor  # (N, S)
     tokens: Tensor  # (N * k, t) tokens generated so far
     scores: Tensor  # (N, k) float32 log P of each live hypothesis
     best: Tensor  # (N,) float32 normalized score of the best finished hypothesis
@@ -137,7 +137,7 @@ class _Beams:
     def keep(self, sentences: Tensor, k: int) -> tuple[_Beams, Tensor]:
         """Only `sentences` (n,) stay; also returns their rows (n * k,) for the decoder cache."""
         rows = (sentences[:, None] * k + torch.arange(k, device=sentences.device)).view(-1)  # (n * k,)
-        per_row = ("src_mask", "tokens")
+        per_row = ("tokens",)
         kept = {f.name: getattr(self, f.name)[rows if f.name in per_row else sentences] for f in fields(self)}
         return _Beams(**kept), rows
 
@@ -161,12 +161,12 @@ def beam_search(
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
     # Step 1 sees the same prefix [BOS] in every beam: run it once per sentence; its reorder then
-    # copies each sentence's cache row (cross K/V included) into its k beams.
+    # copies each sentence's self-attention cache row into its k beams.
     logits, cache = model.decode_step(src.new_full((b, 1), BOS_ID), memory, src_mask)
     beams = _Beams(
         ids=torch.arange(b, device=src.device),
         max_len=max_len,
-        src_mask=src_mask.repeat_interleave(k, dim=0),  # (B * k, S)
+        src_mask=src_mask,  # (B, S): the beams of a sentence share its cross-attention K/V
         tokens=src.new_zeros(b, 0),
         scores=torch.zeros(b, 1, device=src.device),  # one live hypothesis per sentence: [BOS]
         best=torch.full((b,), NEG_INF, device=src.device),
@@ -186,9 +186,10 @@ def beam_search(
             results.store(beams.ids[done], beams.best_tokens[done], beams.best_len[done], beams.best[done])
             if bool(done.all()):
                 break
-            beams, kept = beams.keep((~done).nonzero().squeeze(1), k)
+            sentences = (~done).nonzero().squeeze(1)
+            beams, kept = beams.keep(sentences, k)
             reorder = reorder[kept]  # (n * k,) the cache rows the kept hypotheses extend
-        cache = cache.select(reorder, cross=step == 1 or shrink)
+        cache = cache.select(reorder, sentences if shrink else None)
         # memory=None: every layer's cross-attention keys and values are already in the cache
         logits, cache = model.decode_step(beams.tokens[:, -1:], None, beams.src_mask, cache)
         top = _best_next(logits[:, -1], step + 1, min_len, 2 * k)  # (N * k, 2k) twice

@@ -33,19 +33,21 @@ class DecoderCache:
         """Target positions already decoded."""
         return 0 if not self.self_kv or self.self_kv[0] is None else self.self_kv[0].k.size(2)
 
-    def select(self, index: Tensor, cross: bool = True) -> DecoderCache:
-        """Keep batch rows `index` (B',), e.g. to reorder beams or drop finished sentences.
+    def select(self, index: Tensor, cross_index: Tensor | None) -> DecoderCache:
+        """Keep self-attention rows `index` (B',) and cross-attention rows `cross_index`.
 
-        `cross=False` leaves the cross-attention keys/values alone: they are the same for every beam
-        of one sentence, so a reorder within each sentence's beams need not copy them.
+        cross_index=None leaves the cross-attention keys/values as they are: in beam search they
+        have one row per sentence, shared by its beams (see `MultiHeadAttention`), so reordering
+        beams never copies them; only sentences leaving the batch do.
         """
 
-        def pick(kv: KV | None) -> KV | None:
-            return None if kv is None else KV(kv.k.index_select(0, index), kv.v.index_select(0, index))
+        def pick(kv: KV | None, rows: Tensor | None) -> KV | None:
+            if kv is None or rows is None:
+                return kv
+            return KV(kv.k.index_select(0, rows), kv.v.index_select(0, rows))
 
         return DecoderCache(
-            [pick(kv) for kv in self.self_kv],
-            [pick(kv) for kv in self.cross_kv] if cross else list(self.cross_kv),
+            [pick(kv, index) for kv in self.self_kv], [pick(kv, cross_index) for kv in self.cross_kv]
         )
 
 
