@@ -75,6 +75,8 @@ def test_paper_table_puts_published_figures_beside_ours():
     assert "25.80" in paper_table(scores, "wmt14_en_de", "valid")
     assert "41.02" in paper_table(scores, "multi30k", "test") and "not scored here" in paper_table(
         scores, "multi30k", "test")
+    toy = paper_table(scores, "toy", "test")  # the synthetic corpus: WMT figures for context only
+    assert "27.30" in toy and "another corpus: for context only" in toy and "for this checkpoint" not in toy
 
 
 def write_corpus(directory: Path, src: list[str], tgt: list[str]) -> Path:

@@ -39,6 +39,8 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
         written.append(Path(f"{checkpoint}.{cfg.data.name}.{f.evaluate_split}.bleu.json"))
     if f.examples or f.attention_text:
         translator = Translator.from_checkpoint(DecodeConfig(**decode))
+        if f.examples:
+            print("\ntranslations:")
         for source, output in zip(f.examples, translator.translate(list(f.examples))):
             print(f"  {source}\n    -> {output}")
         if f.attention_text:
