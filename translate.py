@@ -14,8 +14,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from transformer.atomic import write_atomic
 from transformer.config import ConfigError, TranslateConfig, from_dict
-from transformer.data.binarize import write_atomic
 from transformer.training.checkpoint import CheckpointError
 from transformer.translation import Translator, exit_with_error, split_input
 

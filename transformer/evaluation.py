@@ -25,8 +25,8 @@ from typing import Any
 from sacrebleu.metrics import BLEU
 from sacremoses import MosesTokenizer
 
+from transformer.atomic import write_atomic
 from transformer.config import ConfigError, DataConfig, EvaluateConfig, to_dict
-from transformer.data.binarize import write_atomic
 from transformer.data.sources import Split, load_splits, split_names
 from transformer.translation import Translator
 

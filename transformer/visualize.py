@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
+from transformer.atomic import write_atomic
 from transformer.attention import AttentionRecord, record_attention
 from transformer.config import ConfigError, VisualizeConfig
-from transformer.data.binarize import write_atomic
 from transformer.data.tokenizer import BOS_ID, Tokenizer
 from transformer.model import Transformer
 from transformer.translation import Translator

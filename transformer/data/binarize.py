@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
-import secrets
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 from tqdm import tqdm
 
+from transformer.atomic import TEMP_SUFFIX, atomic_write, write_atomic
 from transformer.data.tokenizer import UNK_ID, Tokenizer
 
-TEMP_SUFFIX = ".tmp"
 CHUNK_PAIRS = 20_000  # pairs per task sent to a worker: large enough to amortise the transfer
 DROP_REASONS = ("empty", "too_long", "length_ratio")
 
@@ -67,26 +64,6 @@ def shard_dtype(vocab_size: int) -> np.dtype:
 def shard_files(role: str, lang: str) -> tuple[str, str]:
     """File names of the ids and the offsets of one side of one split."""
     return f"{role}.{lang}.bin", f"{role}.{lang}.idx"
-
-
-@contextmanager
-def atomic_write(path: Path) -> Iterator[BinaryIO]:
-    """A binary file that appears under `path` only complete: temp name beside it, fsync, rename."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")  # hidden, unique
-    try:
-        with open(temp, "xb") as file:
-            yield file
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    with atomic_write(path) as file:
-        file.write(data)
 
 
 def remove_temp_files(directory: Path) -> None:

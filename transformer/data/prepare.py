@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from transformer.atomic import write_atomic
 from transformer.config import ConfigError, DataConfig, to_dict
 from transformer.data import tokenizer as spm_tokenizer
 from transformer.data.binarize import (
@@ -32,7 +33,6 @@ from transformer.data.binarize import (
     sha256_file,
     shard_dtype,
     shard_files,
-    write_atomic,
 )
 from transformer.data.sources import DataError, Split, load_splits, split_names
 

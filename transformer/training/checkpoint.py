@@ -23,11 +23,9 @@ of the newest as `checkpoint_last.pt`, a plain file rather than a symlink so it 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from transformer.atomic import atomic_write
 from transformer.config import ModelConfig, from_dict
 from transformer.model import Transformer
 
@@ -50,26 +49,10 @@ class CheckpointError(Exception):
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
-    """torch.save to a temp file in the same directory, fsync, then rename over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _temp_beside(path: Path) -> tuple[int, str]:
-    """A hidden temp file in `path`'s directory (so the final rename is atomic), readable like any file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private to the owner
-    return fd, tmp
+    """torch.save, atomically (see `transformer.atomic`), creating the directory if needed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as f:
+        torch.save(obj, f)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -126,16 +109,8 @@ def save_checkpoint(ckpt: dict[str, Any], run_dir: str | Path, keep_last: int) -
 
 
 def _atomic_copy(src: Path, dst: Path) -> None:
-    fd, tmp = _temp_beside(dst)
-    try:
-        with os.fdopen(fd, "wb") as f, open(src, "rb") as source:
-            shutil.copyfileobj(source, f, length=1 << 24)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(dst) as f, open(src, "rb") as source:
+        shutil.copyfileobj(source, f, length=1 << 24)
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:

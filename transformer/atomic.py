@@ -1,0 +1,34 @@
+"""Atomic file writes: a file appears under its final name only complete, so a crash or a kill
+never leaves half a checkpoint, shard or translation behind."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+TEMP_SUFFIX = ".tmp"
+
+
+@contextmanager
+def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file that appears under `path` only complete: temp name beside it, fsync, rename."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")  # hidden, unique
+    try:
+        with open(temp, "xb") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    with atomic_write(path) as file:
+        file.write(data)
