@@ -1,0 +1,89 @@
+"""scripts/benchmark.py end to end at tiny sizes on the CPU: every section runs and reports sane figures.
+
+Speed itself is never asserted (CONVENTIONS: no timing assertions); the checks are on what the harness
+must get right whatever the machine: every contender measured, positive rates, exactly the forced number
+of output tokens from every decoder, padding fractions that are fractions, prepare() reading every pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--size", "tiny", "--device", "cpu", "--threads", "1", "--steps", "2", "--warmup", "1",
+    "--batch", "4", "--length", "8", "--budget-tokens", "256", "--real-batches", "2",
+]  # fmt: skip
+
+
+def run_benchmark(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *TINY, *flags, "--json", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "train: one step" in done.stdout
+    return json.loads(out.read_text())
+
+
+def write_corpus(directory: Path, n: int) -> None:
+    subjects = ["The cat", "A dog", "My friend", "The old man", "Her sister"]
+    objects = ["the house", "a red ball", "the tree", "a small boat", "the river"]
+    en = [f"{subjects[i % 5]} sees {objects[(i // 5) % 5]} number {i}." for i in range(n)]
+    de = [f"{subjects[i % 5]} sieht {objects[(i // 5) % 5]} Nummer {i}." for i in range(n)]
+    directory.mkdir()
+    (directory / "train.en").write_text("\n".join(en) + "\n")
+    (directory / "train.de").write_text("\n".join(de) + "\n")
+
+
+def check_train(train: dict, families: set[str], modes: set[str]) -> None:
+    rows = train["fixed"]
+    assert {(r["model"], r["mode"]) for r in rows} == {(f, m) for f in families for m in modes}
+    for r in rows:
+        for key in ("tokens_per_s", "ms_per_step", "gflop_per_step", "mfu", "params_m", "first_step_s"):
+            assert r[key] > 0, (r["model"], key)
+        assert r["ours_over_this"] > 0
+    sampled = train["sampled"]
+    assert {r["model"] for r in sampled["rows"]} == families
+    assert all(r["tokens_per_s"] > 0 for r in sampled["rows"])
+    assert all(0 <= f < 1 for f in sampled["padding_fraction"].values())
+    assert all(p["hours"] > 0 for p in train["projections"])
+
+
+def test_every_section_at_tiny_sizes(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("ctranslate2")
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 300)
+    sentences, new_tokens = 3, 5
+    report = run_benchmark(
+        tmp_path, "--no-compile", "--beam-sentences", str(sentences), "--greedy-sentences", str(sentences),
+        "--src-len", "6", "--new-tokens", str(new_tokens), "--decode-rounds", "1",
+        "--data-pairs", "20000", "--corpus-dir", str(corpus), "--prepare-vocab", "60",
+    )  # fmt: skip
+    check_train(report["train"], {"ours", "nn.Transformer", "Marian (HF)"}, {"eager"})
+    for mode in report["decode"].values():
+        assert [r["decoder"] for r in mode["rows"]] == ["ours", "CTranslate2 float32", "HF generate"]
+        for r in mode["rows"]:
+            # EOS suppressed, length capped: every decoder outputs exactly the forced number of tokens
+            assert r["output_tokens"] == sentences * new_tokens, r["decoder"]
+            assert r["tokens_per_s"] > 0 and r["sentences_per_s"] > 0
+    data = report["data"]
+    assert data["batches"] > 0 and data["construct_s"] >= 0 and data["epoch_batches_s"] > 0
+    assert all(0 <= f < 1 for f in data["padding_fraction"].values() if f is not None)
+    assert data["prepare"]["pairs_read"] == 300 and data["prepare"]["pairs_per_s"] > 0
+    assert {t["goal"] for t in report["targets"]} >= {"train step vs nn.Transformer (eager)"}
+
+
+@pytest.mark.slow
+def test_compiled_models_and_the_big_model(tmp_path):
+    report = run_benchmark(tmp_path, "--sections", "train", "--peers", "torch", "--big")
+    check_train(report["train"], {"ours", "nn.Transformer"}, {"eager", "compiled"})
+    assert report["train"]["big_tokens_per_s"] > 0
