@@ -67,7 +67,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt or not a torch file at all
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+        first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else ""
+        reason = f"{type(e).__name__}: {first[:120]}"
+        raise CheckpointError(f"{path} is not a readable checkpoint ({reason})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint written by this project")
     return ckpt
