@@ -18,7 +18,7 @@ from transformer.training.checkpoint import (  # noqa: E402
     CheckpointError,
     atomic_save,
     average_checkpoints,
-    checkpoint_dir,
+    averaged_path,
     list_checkpoints,
 )
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> Path:
                 f"(raise trainer.keep_last to keep more)"
             )
         paths = found[-args.last :]
-        output = args.output or checkpoint_dir(args.run_dir) / f"checkpoint_average_last{args.last}.pt"
+        output = args.output or averaged_path(args.run_dir, args.last)
     averaged = average_checkpoints(paths)
     atomic_save(averaged, output)
     print(f"averaged {len(paths)} checkpoints ({paths[0].name} .. {paths[-1].name}) into {output}")

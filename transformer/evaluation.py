@@ -167,10 +167,12 @@ def read_split(cfg: DataConfig, role: str) -> Split:
     return load_splits(only)[role]
 
 
-def evaluate_checkpoint(cfg: EvaluateConfig) -> dict[str, Any]:
+def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = None) -> dict[str, Any]:
     """Translate the raw source side of split `cfg.split`, score it, and write beside the checkpoint
-    `<checkpoint>.<data>.<split>.bleu.json` and the hypotheses; returns that JSON plus "table"."""
-    translator = Translator.from_checkpoint(cfg)  # a bad checkpoint fails before any reading or decoding
+    `<checkpoint>.<data>.<split>.bleu.json` and the hypotheses; returns that JSON plus "table".
+    `translator`: the checkpoint already loaded with cfg's decoding settings (else it is loaded here)."""
+    if translator is None:  # a bad checkpoint fails before any reading or decoding
+        translator = Translator.from_checkpoint(cfg)
     data = cfg.data
     split = read_split(data, cfg.split)
     meta = translator.info.get("data_meta") or {}

@@ -4,23 +4,20 @@ example sentences and draw the attention of one of them, then say where everythi
 
 from __future__ import annotations
 
-import logging
 import shlex
 from pathlib import Path
 
-from transformer.config import DecodeConfig, EvaluateConfig, TrainConfig, VisualizeConfig
+from transformer.config import DecodeConfig, EvaluateConfig, TrainConfig
 from transformer.evaluation import evaluate_checkpoint
 from transformer.training.checkpoint import (
     atomic_save,
     average_checkpoints,
-    checkpoint_dir,
+    averaged_path,
     latest_checkpoint,
     list_checkpoints,
 )
 from transformer.translation import Translator
-from transformer.visualize import attention_figures, save_figures
-
-log = logging.getLogger(__name__)
+from transformer.visualize import draw_attention
 
 
 def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
@@ -34,34 +31,30 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
         checkpoint = _average(run_dir, f.average_last)
     decode = dict(checkpoint=str(checkpoint), beam_size=f.beam_size, alpha=f.alpha, device=cfg.trainer.device)
     written = [checkpoint]
+    if f.evaluate_split is None and not f.examples and not f.attention_text:
+        _next_steps(cfg, run_dir, checkpoint, written)
+        return checkpoint
+    translator = Translator.from_checkpoint(DecodeConfig(**decode))  # loaded once for all that follows
     if f.evaluate_split is not None:
-        print(evaluate_checkpoint(EvaluateConfig(**decode, data=cfg.data, split=f.evaluate_split))["table"])
+        evaluation = EvaluateConfig(**decode, data=cfg.data, split=f.evaluate_split)
+        print(evaluate_checkpoint(evaluation, translator)["table"])
         written.append(Path(f"{checkpoint}.{cfg.data.name}.{f.evaluate_split}.bleu.json"))
-    if f.examples or f.attention_text:
-        translator = Translator.from_checkpoint(DecodeConfig(**decode))
-        if f.examples:
-            print("\ntranslations:")
-        for source, output in zip(f.examples, translator.translate(list(f.examples))):
-            print(f"  {source}\n    -> {output}")
-        if f.attention_text:
-            written += _attention(translator, VisualizeConfig(**decode, text=f.attention_text), run_dir)
+    if f.examples:
+        print("\ntranslations:")
+    for source, output in zip(f.examples, translator.translate(list(f.examples))):
+        print(f"  {source}\n    -> {output}")
+    if f.attention_text:
+        written += draw_attention(translator, f.attention_text, -1, run_dir / "attention")[1]
     _next_steps(cfg, run_dir, checkpoint, written)
     return checkpoint
 
 
 def _average(run_dir: Path, last: int) -> Path:
     paths = list_checkpoints(run_dir)[-last:]
-    output = checkpoint_dir(run_dir) / f"checkpoint_average_last{len(paths)}.pt"
+    output = averaged_path(run_dir, len(paths))
     atomic_save(average_checkpoints(paths), output)
     print(f"averaged the last {len(paths)} checkpoints ({paths[0].name} .. {paths[-1].name}) into {output}")
     return output
-
-
-def _attention(translator: Translator, cfg: VisualizeConfig, run_dir: Path) -> list[Path]:
-    src_ids = translator.encode([cfg.text])[0]
-    output_ids = translator.translate_ids([src_ids])[0]
-    figures = attention_figures(translator.model, translator.tokenizer, src_ids, output_ids, cfg.layer)
-    return save_figures(figures, run_dir / "attention")
 
 
 def _next_steps(cfg: TrainConfig, run_dir: Path, checkpoint: Path, written: list[Path]) -> None:

@@ -102,14 +102,21 @@ def figures_to_tensorboard(figures: dict[str, Figure], log_dir: str | Path, step
             writer.add_figure(f"attention/{kind}", figure, global_step=step, close=False)
 
 
-def visualize_checkpoint(cfg: VisualizeConfig) -> tuple[str, list[Path]]:
-    """Translate `cfg.text`, then write its heatmaps for `cfg.layer` into `cfg.out_dir` (and to
-    TensorBoard when asked). Returns the translation and the PNG paths."""
-    translator = Translator.from_checkpoint(cfg)
-    src_ids = translator.encode([" ".join(cfg.text.splitlines())])[0]
+def draw_attention(
+    translator: Translator, text: str, layer: int, out_dir: str | Path
+) -> tuple[str, list[Path], dict[str, Figure]]:
+    """Translate `text`, then write its heatmaps for `layer` into `out_dir`.
+    Returns the translation, the PNG paths and the figures."""
+    src_ids = translator.encode([" ".join(text.splitlines())])[0]
     output_ids = translator.translate_ids([src_ids])[0]
-    figures = attention_figures(translator.model, translator.tokenizer, src_ids, output_ids, cfg.layer)
-    paths = save_figures(figures, cfg.out_dir)
+    figures = attention_figures(translator.model, translator.tokenizer, src_ids, output_ids, layer)
+    return translator.tokenizer.decode(output_ids), save_figures(figures, out_dir), figures
+
+
+def visualize_checkpoint(cfg: VisualizeConfig) -> tuple[str, list[Path]]:
+    """`draw_attention` for a checkpoint file (and to TensorBoard when asked)."""
+    translator = Translator.from_checkpoint(cfg)
+    translation, paths, figures = draw_attention(translator, cfg.text, cfg.layer, cfg.out_dir)
     if cfg.tensorboard:
         figures_to_tensorboard(figures, cfg.out_dir, step=translator.info.get("step") or 0)
-    return translator.tokenizer.decode(output_ids), paths
+    return translation, paths

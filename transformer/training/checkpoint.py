@@ -89,6 +89,11 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def averaged_path(run_dir: str | Path, last: int) -> Path:
+    """Where the average of a run's last `last` checkpoints goes (a name resume=auto never picks)."""
+    return checkpoint_dir(run_dir) / f"checkpoint_average_last{last}.pt"
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """The run's numbered checkpoints, oldest first (by step, not by file time)."""
     found = []
