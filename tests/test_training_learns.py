@@ -35,7 +35,7 @@ def test_tiny_model_learns_reversal():
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
     scheduler = make_scheduler(optimizer, optim_cfg, cfg.d_model)
     g = torch.Generator().manual_seed(1)
-    for _ in range(400):
+    for _ in range(600):  # 400 steps reach 0.88-0.999 depending on float rounding; 600 reach >= 0.98
         src, tgt_in, tgt_out = reversal_batch(g)
         loss, _ = objective(src, tgt_in, tgt_out)
         optimizer.zero_grad()

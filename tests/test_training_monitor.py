@@ -16,8 +16,10 @@ def test_train_flops_match_the_counted_matmuls_of_forward_and_backward(shape):
     cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, d_ff=64, n_layers=2, **shape)
     objective = Seq2SeqLoss(Transformer(cfg), 0.1)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
-    # the reference attention path is plain matmuls, which the counter sees (fused CPU kernels it may not)
-    with record_attention(), FlopCounterMode(display=False) as counter:
+    # the reference attention path and F.linear are plain matmuls, which the counter sees (the fused
+    # CPU attention kernel and the oneDNN linear of transformer/linear.py it does not)
+    plain = torch.backends.mkldnn.flags(enabled=False)
+    with plain, record_attention(), FlopCounterMode(display=False) as counter:
         loss, _ = objective(src, tgt, tgt)
         loss.backward()
     assert monitor.train_flops(cfg, 3, 7, 5) == counter.get_total_flops()

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformer.linear import Linear
+
 
 @dataclass
 class AttentionRecord:
@@ -95,11 +97,11 @@ class MultiHeadAttention(nn.Module):
         self.dropout, self.kind, self.layer = dropout, kind, layer
         self.splits = [n_heads * d_k, n_kv_heads * d_k, n_kv_heads * d_v]  # Q | K | V output widths
         if kind == "cross":
-            self.w_q = nn.Linear(d_model, self.splits[0], bias=False)
-            self.w_kv = nn.Linear(d_model, self.splits[1] + self.splits[2], bias=False)
+            self.w_q = Linear(d_model, self.splits[0], bias=False)
+            self.w_kv = Linear(d_model, self.splits[1] + self.splits[2], bias=False)
         else:
-            self.w_qkv = nn.Linear(d_model, sum(self.splits), bias=False)
-        self.w_o = nn.Linear(n_heads * d_v, d_model, bias=False)
+            self.w_qkv = Linear(d_model, sum(self.splits), bias=False)
+        self.w_o = Linear(n_heads * d_v, d_model, bias=False)
 
     def reset_parameters(self) -> None:
         """Xavier-uniform for each of W^Q, W^K, W^V, W^O separately, even where they are fused."""

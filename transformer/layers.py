@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from transformer.attention import KV, MultiHeadAttention
 from transformer.config import ModelConfig
+from transformer.linear import Linear
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
@@ -59,8 +60,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.w_1 = nn.Linear(d_model, d_ff)
-        self.w_2 = nn.Linear(d_ff, d_model)
+        self.w_1 = Linear(d_model, d_ff)
+        self.w_2 = Linear(d_ff, d_model)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w_2(torch.relu(self.w_1(x)))

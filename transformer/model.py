@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from transformer.attention import KV, MultiHeadAttention
 from transformer.config import ModelConfig
 from transformer.layers import DecoderLayer, Embeddings, EncoderLayer
+from transformer.linear import linear
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Transformer(nn.Module):
 
     def project(self, states: Tensor) -> Tensor:
         """Pre-softmax linear transformation with the shared embedding matrix: (B, T, d) -> (B, T, V)."""
-        return states @ self.embed.weight.t()
+        return linear(states, self.embed.weight)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         """tgt: (B, T) decoder inputs ([BOS] + y_<t) -> logits (B, T, V) over the next token."""

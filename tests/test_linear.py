@@ -1,0 +1,57 @@
+"""The model's linear maps: oneDNN forward and backward on CPU float32 equal the explicit float64 math."""
+
+import pytest
+import torch
+
+from transformer.linear import Linear, linear
+
+onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+@onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24)])
+def test_forward_and_gradients_match_float64_math(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(40, 24, generator=g, requires_grad=True)
+    b = torch.randn(40, generator=g, requires_grad=True) if bias else None
+    y = linear(x, w, b)
+    assert type(y.grad_fn).__name__ == "_OneDNNLinearBackward"  # the path under test was taken
+    grad_y = torch.randn(y.shape, generator=g)
+    y.backward(grad_y)
+
+    x64, w64, gy64 = x.detach().double(), w.detach().double(), grad_y.double()
+    expected = x64 @ w64.T + (b.detach().double() if bias else 0)
+    torch.testing.assert_close(y.detach().double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), gy64 @ w64, rtol=1e-5, atol=1e-5)  # dL/dx = dL/dy W
+    gy2, x2 = gy64.reshape(-1, 40), x64.reshape(-1, 24)
+    torch.testing.assert_close(w.grad.double(), gy2.T @ x2, rtol=1e-5, atol=1e-5)  # dL/dW = dL/dy^T x
+    if bias:
+        torch.testing.assert_close(b.grad.double(), gy2.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@onednn
+def test_strided_input_weight_update_and_inference_path():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 9, generator=g).t()  # (9, 24), not contiguous
+    w = torch.randn(16, 24, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+        w.add_(1.0)  # an optimizer step changes the weight in place: no stale packed copy may be used
+        torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_and_the_global_switch_fall_back_to_f_linear():
+    x, w = torch.randn(4, 8, dtype=torch.float64, requires_grad=True), torch.randn(3, 8, dtype=torch.float64)
+    assert type(linear(x, w).grad_fn).__name__ != "_OneDNNLinearBackward"
+    with torch.backends.mkldnn.flags(enabled=False):
+        y = linear(x.detach().float().requires_grad_(), w.float())
+    assert type(y.grad_fn).__name__ != "_OneDNNLinearBackward"
+
+
+def test_module_keeps_nn_linear_parameters_and_keys():
+    layer = Linear(8, 3)
+    assert isinstance(layer, torch.nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
