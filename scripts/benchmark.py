@@ -203,20 +203,20 @@ def interleave(
 
 
 def matmul_peak(device: torch.device) -> tuple[float, str]:
-    """Measured matmul FLOP/s: the best of a few large square matmuls (bf16 on CUDA, fp32 on the CPU)."""
+    """Measured matmul FLOP/s: the best of a few large square matmuls (bf16 on CUDA, fp32 on the CPU,
+    where torch's MKL matmul and the oneDNN linear of transformer/linear.py are both timed)."""
     dtype, n, repeat = (torch.bfloat16, 8192, 20) if device.type == "cuda" else (torch.float32, 1536, 2)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     gemms = {"matmul": lambda: a @ b}
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
         gemms["oneDNN linear"] = lambda: linear(a, b)  # what transformer/linear.py runs on the CPU
-    best, which = math.inf, ""
+    rates = {}
     for name, gemm in gemms.items():
-        for _ in range(6):
-            seconds, _ = timed(lambda gemm=gemm: [gemm() for _ in range(repeat)], device)
-            if seconds / repeat < best:
-                best, which = seconds / repeat, name
-    return 2 * n**3 / best, f"{str(dtype).removeprefix('torch.')} {n}x{n} {which}"
+        seconds = min(timed(lambda gemm=gemm: [gemm() for _ in range(repeat)], device)[0] for _ in range(6))
+        rates[name] = 2 * n**3 * repeat / seconds
+    each = ", ".join(f"{name} {rate / 1e12:.2f}" for name, rate in rates.items())
+    return max(rates.values()), f"{str(dtype).removeprefix('torch.')} {n}x{n}: {each} TFLOP/s"
 
 
 def _linear_flops(x_shape: Any, w_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
@@ -1004,7 +1004,7 @@ def print_train(train: dict[str, Any], meta: dict[str, Any]) -> None:
     print_table(
         f"train: one step at {shape['batch']} x {shape['length']} tokens ({shape['target_tokens']} target "
         f"tokens), {meta['size']} dims, {meta['precision']}; median of {meta['steps']} interleaved steps; "
-        f"peak {train['peak_tflops']:.2f} TFLOP/s ({train['peak_how']}, best of this run)",
+        f"peak {train['peak_tflops']:.2f} TFLOP/s (best of {train['peak_how']}, measured in this run)",
         [
             ("model", "model", ""),
             ("mode", "mode", ""),

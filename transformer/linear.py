@@ -2,8 +2,8 @@
 
 PyTorch sends float32 CPU matrix multiplies to MKL, which on non-Intel CPUs (AMD EPYC, for one) runs
 a generic path at about half the speed of oneDNN's JIT kernels, also part of every PyTorch build
-(`scripts/benchmark.py --sections matmul` measures both on the machine at hand). Forward and both
-backward products go through oneDNN there; the results equal `F.linear` up to float32 rounding.
+(`scripts/benchmark.py` times both in its matmul peak). Forward and both backward products go
+through oneDNN there; the results equal `F.linear` up to float32 rounding.
 Everything else (CUDA, bf16, float64, torch.compile, `torch.backends.mkldnn.enabled = False`) uses
 `F.linear` unchanged.
 """
