@@ -55,3 +55,11 @@ def test_module_keeps_nn_linear_parameters_and_keys():
     assert isinstance(layer, torch.nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
     x = torch.randn(2, 8)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_a_bias_alone_that_needs_its_gradient_gets_it():
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    b = torch.zeros(3, requires_grad=True)
+    grad_y = torch.randn(5, 3)
+    linear(x, w, b).backward(grad_y)
+    torch.testing.assert_close(b.grad, grad_y.sum(0))

@@ -55,7 +55,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., K), weight (N, K), bias (N,) -> x W^T + b (..., N)."""
     if not _use_onednn(x, weight):
         return F.linear(x, weight, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _OneDNNLinear.apply(x, weight, bias)
     return _onednn(x, weight, bias)  # inference: no autograd node, no saved tensors
 
