@@ -169,7 +169,8 @@ def read_split(cfg: DataConfig, role: str) -> Split:
 
 def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = None) -> dict[str, Any]:
     """Translate the raw source side of split `cfg.split`, score it, and write beside the checkpoint
-    `<checkpoint>.<data>.<split>.bleu.json` and the hypotheses; returns that JSON plus "table".
+    `<checkpoint>.<data>.<split>.bleu.json` and the hypotheses; returns that JSON plus its "path" and
+    "table".
     `translator`: the checkpoint already loaded with cfg's decoding settings (else it is loaded here)."""
     if translator is None:  # a bad checkpoint fails before any reading or decoding
         translator = Translator.from_checkpoint(cfg)
@@ -196,7 +197,8 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
         "settings": {k: v for k, v in to_dict(cfg).items() if k != "data"},
     }
     write_atomic(Path(result["hypotheses"]), "".join(h + "\n" for h in hypotheses).encode("utf-8"))
-    write_atomic(Path(f"{stem}.bleu.json"), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
+    path = f"{stem}.bleu.json"
+    write_atomic(Path(path), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
     title = f"BLEU of {cfg.checkpoint} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
-    footer = f"wrote {stem}.bleu.json and {result['hypotheses']}"
-    return {**result, "table": f"{title}\n{paper_table(scores, data.name, cfg.split)}\n{footer}"}
+    table = f"{title}\n{paper_table(scores, data.name, cfg.split)}\nwrote {path} and {result['hypotheses']}"
+    return {**result, "path": path, "table": table}

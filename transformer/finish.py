@@ -37,8 +37,9 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     translator = Translator.from_checkpoint(DecodeConfig(**decode))  # loaded once for all that follows
     if f.evaluate_split is not None:
         evaluation = EvaluateConfig(**decode, data=cfg.data, split=f.evaluate_split)
-        print(evaluate_checkpoint(evaluation, translator)["table"])
-        written.append(Path(f"{checkpoint}.{cfg.data.name}.{f.evaluate_split}.bleu.json"))
+        result = evaluate_checkpoint(evaluation, translator)
+        print(result["table"])
+        written.append(Path(result["path"]))
     if f.examples:
         print("\ntranslations:")
     for source, output in zip(f.examples, translator.translate(list(f.examples))):
