@@ -347,6 +347,30 @@ def test_changed_configuration_is_refused_without_force(tmp_path):
     assert load_meta(tmp_path / "out")["vocab_size"] == 100
 
 
+def test_lowercase_corpus(tmp_path):
+    """data.lowercase: the shards hold the lowercased text, and a cased dir is not silently reused."""
+    raw = write_corpus(tmp_path / "corpus")
+    out = prepare(local_config(tmp_path, lowercase=True))
+    tokenizer = Tokenizer.from_file(out / "spm.model")
+    decoded = [tokenizer.decode(tgt) for _, tgt in shard_content(out, "test")]
+    assert decoded == [de.lower() for _, de in raw["test"]]
+    assert any(de != de.lower() for _, de in raw["test"]) and any("ß" in de for de in decoded)
+    with pytest.raises(ConfigError, match=r"changed: lowercase"):
+        prepare(local_config(tmp_path))
+
+
+def test_a_directory_prepared_before_a_config_key_existed_is_reused(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus")
+    out = prepare(local_config(tmp_path))
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    del meta["config"]["lowercase"]  # as written before data.lowercase was added
+    (out / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    monkeypatch.setattr(prepare_module, "load_splits", lambda cfg: pytest.fail("the corpus was rebuilt"))
+    assert prepare(local_config(tmp_path)) == out
+    with pytest.raises(ConfigError, match=r"changed: lowercase"):
+        prepare(local_config(tmp_path, lowercase=True))
+
+
 def test_crash_leaves_no_partial_file_and_the_rerun_resumes(tmp_path, monkeypatch):
     write_corpus(tmp_path / "corpus")
     cfg = local_config(tmp_path)

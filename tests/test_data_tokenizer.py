@@ -44,6 +44,17 @@ def test_round_trip_and_batch_encoding(model_bytes, tmp_path):
     assert Tokenizer.from_file(tmp_path / "spm.model").encode(text) == ids
 
 
+def test_lowercase_is_built_into_the_model():
+    tok = Tokenizer.from_bytes(tokenizer.train(SENTENCES, 80, lowercase=True))
+    for text in ("Die GROSSE Katze sieht den kleinen HUND .", "eine Frau auf der Straße ."):
+        assert tok.decode(tok.encode(text)) == text.lower()  # "ß" stays (case folding would give "ss")
+    assert tok.encode("Der Hund") == tok.encode("der hund") and tok.encode("ẞ") == tok.encode("ß")
+    assert tok.decode(tok.encode("ﬁ")) == "fi"  # NFKC still applies, as in the cased model
+    assert all(p == p.lower() for p in tok.pieces(range(4, tok.vocab_size)))  # no cased piece was learned
+    cased = Tokenizer.from_bytes(tokenizer.train(SENTENCES, 80))
+    assert cased.decode(cased.encode("die Katze")) == "die Katze"
+
+
 def test_unseen_characters_become_unk(model_bytes):
     assert UNK_ID in Tokenizer.from_bytes(model_bytes).encode("猫 dog")  # byte_fallback is off
 

@@ -111,6 +111,9 @@ class DataConfig:
     dir: str = "data/wmt14_en_de"  # where tokenizer, shards and meta.json are written
     vocab_size: int = 37000  # shared BPE vocabulary (§5.1: about 37,000)
     spm_sample_size: int = 2_000_000  # sentences (both sides together) to learn BPE from
+    # Lowercase everything the tokenizer encodes (built into spm.model, so translation input is lowercased
+    # too). Off for WMT (the paper is cased); Multi30k's published results train and score lowercased.
+    lowercase: bool = False
     max_tokens_per_sentence: int = 250  # training pairs with a longer side are dropped
     max_length_ratio: float = 3.0  # training pairs whose piece counts differ more are dropped
     num_workers: int = 2

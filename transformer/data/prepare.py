@@ -42,6 +42,7 @@ META_FORMAT = 1
 SPM_FILE = "spm.model"
 SPM_SAMPLE_SEED = 0  # the BPE sample is a fixed function of the corpus: re-runs learn the same vocabulary
 _OPERATIONAL_KEYS = ("dir", "force", "num_workers")  # they change how data is built, never what
+_DEFAULTS = to_dict(DataConfig())
 
 
 def prepare(cfg: DataConfig) -> Path:
@@ -85,8 +86,9 @@ def _resume_or_start(out: Path, cfg: DataConfig) -> dict[str, Any]:
     old = json.loads(path.read_text(encoding="utf-8"))
     if old.get("tokenizer") is None:  # no step finished: nothing to keep
         return _fresh_meta(cfg, config)
-    if old.get("format") != META_FORMAT or old.get("config") != config:
-        before = old.get("config", {})
+    # a key added to DataConfig after that run was built with the key's default
+    before = {**{key: value for key, value in _DEFAULTS.items() if key in config}, **old.get("config", {})}
+    if old.get("format") != META_FORMAT or before != config:
         changed = sorted(key for key in config.keys() | before.keys() if config.get(key) != before.get(key))
         raise ConfigError(
             f"{out} holds data prepared with a different configuration (changed: {', '.join(changed)}); "
@@ -144,7 +146,9 @@ def _train_tokenizer(out: Path, cfg: DataConfig, meta: dict[str, Any], train: Sp
     log.info("learning a shared BPE vocabulary of %d pieces from %d sentences", cfg.vocab_size, len(sample))
     start = time.perf_counter()
     try:
-        model_bytes = spm_tokenizer.train(sample, cfg.vocab_size, num_threads=cfg.num_workers)
+        model_bytes = spm_tokenizer.train(
+            sample, cfg.vocab_size, lowercase=cfg.lowercase, num_threads=cfg.num_workers
+        )
     except ValueError as error:
         raise DataError(str(error)) from None
     log.info("learned the BPE model in %.1f s", time.perf_counter() - start)

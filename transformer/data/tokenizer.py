@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import io
 import re
+import tempfile
+import unicodedata
 from collections.abc import Iterable, Sequence
+from functools import cache
 from pathlib import Path
 
 import sentencepiece as spm
@@ -69,37 +72,67 @@ class Tokenizer:
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
 
-def train(sentences: Iterable[str], vocab_size: int, *, num_threads: int = 1) -> bytes:
+def train(
+    sentences: Iterable[str], vocab_size: int, *, lowercase: bool = False, num_threads: int = 1
+) -> bytes:
     """Learn a BPE model (model_type=bpe, §5.1) on `sentences`; returns the serialized model.
 
     The caller samples the sentences (both languages together, so the vocabulary is shared) and writes
     the bytes atomically. character_coverage=1.0 keeps every character seen, which suits the small
     alphabets of European languages; byte_fallback is off, so unseen characters map to UNK.
+    lowercase=True builds the lowercasing into the model's normalizer (see `_lowercase_rules`), so
+    every later encode (training shards, translation input) is lowercased with no flag to pass on.
     """
     buffer = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences),
-            model_writer=buffer,
-            model_type="bpe",
-            vocab_size=vocab_size,
-            character_coverage=1.0,
-            byte_fallback=False,
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            num_threads=num_threads,
-            minloglevel=2,  # SentencePiece logs hundreds of lines per run; errors still raise
-        )
-    except RuntimeError as error:
-        limit = re.search(
-            r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(error)
-        )
-        if limit:
-            raise ValueError(
-                f"data.vocab_size={limit.group(1)} is too large for this corpus: "
-                f"its sample supports at most {limit.group(2)} pieces; lower data.vocab_size"
-            ) from None
-        raise
+    with tempfile.TemporaryDirectory() as tmp:
+        normalization = {"normalization_rule_name": "nmt_nfkc"}  # SentencePiece's default
+        if lowercase:
+            rules = Path(tmp) / "lowercase.tsv"
+            rules.write_text(_lowercase_rules(), encoding="utf-8")
+            normalization = {"normalization_rule_tsv": str(rules)}
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences),
+                model_writer=buffer,
+                model_type="bpe",
+                vocab_size=vocab_size,
+                character_coverage=1.0,
+                byte_fallback=False,
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                num_threads=num_threads,
+                minloglevel=2,  # SentencePiece logs hundreds of lines per run; errors still raise
+                **normalization,
+            )
+        except RuntimeError as error:
+            limit = re.search(
+                r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(error)
+            )
+            if limit:
+                raise ValueError(
+                    f"data.vocab_size={limit.group(1)} is too large for this corpus: "
+                    f"its sample supports at most {limit.group(2)} pieces; lower data.vocab_size"
+                ) from None
+            raise
     return buffer.getvalue()
+
+
+@cache
+def _lowercase_rules() -> str:
+    """SentencePiece normalization rules (TSV of hex code points): each character -> NFKC, lowercased.
+
+    SentencePiece's own case-folding rule (nmt_nfkc_cf) folds "ß" to "ss", which would change German
+    words rather than lowercase them; str.lower() keeps "ß" (and maps "ẞ" to it). Rules apply per
+    character, so unlike nmt_nfkc they do not compose a letter with a following combining accent.
+    """
+    rules = []
+    for code in range(0x20, 0x30000):
+        char = chr(code)
+        if unicodedata.category(char) in ("Cs", "Co", "Cn"):  # surrogates, private use, unassigned
+            continue
+        folded = unicodedata.normalize("NFKC", char).lower()
+        if folded and folded != char:
+            rules.append(f"{code:X}\t{' '.join(f'{ord(c):X}' for c in folded)}")
+    return "\n".join(rules) + "\n"
