@@ -3,7 +3,8 @@
   python scripts/evaluate.py checkpoint=runs/base/checkpoints/checkpoint_avg.pt data=wmt14_en_de split=test
   python scripts/evaluate.py checkpoint=... data=multi30k data.source=local data.path=../shared/data/multi30k
 
-Writes <checkpoint>.<data>.<split>.bleu.json and <checkpoint>.<data>.<split>.hyp.<lang> beside the checkpoint.
+Writes <checkpoint>.<data>.<split>.<search>.bleu.json and .hyp.<lang> beside the checkpoint (search:
+beam4.alpha0.6 by default, greedy for beam_size=1), so scores of other decoding settings sit side by side.
 """
 
 import logging

@@ -169,8 +169,8 @@ def read_split(cfg: DataConfig, role: str) -> Split:
 
 def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = None) -> dict[str, Any]:
     """Translate the raw source side of split `cfg.split`, score it, and write beside the checkpoint
-    `<checkpoint>.<data>.<split>.bleu.json` and the hypotheses; returns that JSON plus its "path" and
-    "table".
+    `<checkpoint>.<data>.<split>.<search>.bleu.json` and the hypotheses (search: `beam4.alpha0.6`, or
+    `greedy`); returns that JSON plus its "path" and "table".
     `translator`: the checkpoint already loaded with cfg's decoding settings (else it is loaded here)."""
     if translator is None:  # a bad checkpoint fails before any reading or decoding
         translator = Translator.from_checkpoint(cfg)
@@ -184,7 +184,8 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
     hypotheses = translator.translate(split.src, progress=True)
     lowercase = cfg.lowercase if cfg.lowercase is not None else wants_lowercase(data.name, cfg.split)
     scores = score_all(hypotheses, split.tgt, data.tgt_lang, lowercase)
-    stem = f"{cfg.checkpoint}.{data.name}.{cfg.split}"
+    search = f"beam{cfg.beam_size}.alpha{cfg.alpha:g}" if cfg.beam_size > 1 else "greedy"
+    stem = f"{cfg.checkpoint}.{data.name}.{cfg.split}.{search}"  # another search never overwrites it
     result: dict[str, Any] = {
         "checkpoint": cfg.checkpoint,
         "step": translator.info.get("step"),
