@@ -60,8 +60,11 @@ PUBLISHED: dict[tuple[str, str], list[Published]] = {
     ],
     ("multi30k", "test"): [
         Published(
-            "Transformer-tiny (4+4 layers, d=128, beam 5)", 41.02, "test_2016_flickr",
-            "tokenized_lowercase", "Wu et al. 2021 (ACL), 'Good for Misconceived Reasons'",
+            "Transformer-tiny (4+4 layers, d=128, beam 5)",
+            41.02,
+            "test_2016_flickr",
+            "tokenized_lowercase",
+            "Wu et al. 2021 (ACL), 'Good for Misconceived Reasons'",
         ),
     ],
 }
@@ -95,8 +98,14 @@ def _bleu(hypotheses: list[str], references: list[str], **options: object) -> Bl
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     metric = BLEU(force=True, **options)  # force: pre-tokenized input is intended here
     result = metric.corpus_score(hypotheses, [references])
-    return Bleu(result.score, list(result.precisions), result.bp, result.sys_len, result.ref_len,
-                str(metric.get_signature()))
+    return Bleu(
+        result.score,
+        list(result.precisions),
+        result.bp,
+        result.sys_len,
+        result.ref_len,
+        str(metric.get_signature()),
+    )
 
 
 def sacre_bleu(hypotheses: list[str], references: list[str]) -> Bleu:
@@ -108,8 +117,12 @@ def tokenized_bleu(
     hypotheses: list[str], references: list[str], lang: str = "de", lowercase: bool = False
 ) -> Bleu:
     """The paper-comparable BLEU of tensor2tensor's get_ende_bleu.sh (see the module docstring)."""
-    return _bleu(moses_tokenize(hypotheses, lang), moses_tokenize(references, lang), tokenize="none",
-                 lowercase=lowercase)
+    return _bleu(
+        moses_tokenize(hypotheses, lang),
+        moses_tokenize(references, lang),
+        tokenize="none",
+        lowercase=lowercase,
+    )
 
 
 def score_all(hypotheses: list[str], references: list[str], lang: str, lowercase: bool) -> dict[str, Bleu]:
@@ -179,8 +192,13 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
     meta = translator.info.get("data_meta") or {}
     trained = (meta.get("src_lang"), meta.get("tgt_lang"))
     if trained not in ((None, None), (data.src_lang, data.tgt_lang)):
-        log.warning("the checkpoint translates %s->%s but data %s is %s->%s", *trained, data.name,
-                    data.src_lang, data.tgt_lang)
+        log.warning(
+            "the checkpoint translates %s->%s but data %s is %s->%s",
+            *trained,
+            data.name,
+            data.src_lang,
+            data.tgt_lang,
+        )
     hypotheses = translator.translate(split.src, progress=True)
     lowercase = cfg.lowercase if cfg.lowercase is not None else wants_lowercase(data.name, cfg.split)
     scores = score_all(hypotheses, split.tgt, data.tgt_lang, lowercase)

@@ -70,4 +70,3 @@ def _next_steps(cfg: TrainConfig, run_dir: Path, checkpoint: Path, written: list
     print(f"  python scripts/visualize_attention.py checkpoint={ckpt} text='\"...\"'")
     print(f"  tensorboard --logdir {shlex.quote(str(run_dir))}")
     print("  python scripts/prepare_data.py data=wmt14_en_de && python train.py experiment=paper_base")
-

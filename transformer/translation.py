@@ -31,7 +31,7 @@ def exit_with_error(error: BaseException) -> NoReturn:
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" = the first CUDA device when there is one, else the CPU."""
+    """ "auto" = the first CUDA device when there is one, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -83,7 +83,10 @@ class Translator:
             if len(ids) + 1 > self.max_source_tokens:
                 log.warning(
                     "line %d: %d pieces exceed the %d this model can take; translating the first %d",
-                    number, len(ids), self.max_source_tokens - 1, self.max_source_tokens - 1,
+                    number,
+                    len(ids),
+                    self.max_source_tokens - 1,
+                    self.max_source_tokens - 1,
                 )
                 ids = ids[: self.max_source_tokens - 1]
             sources.append(ids + [EOS_ID] if ids else [])
@@ -144,4 +147,3 @@ def split_input(data: bytes) -> list[str]:
             log.warning("line %d: invalid UTF-8 (%s); undecodable bytes replaced", number, error.reason)
             text.append(raw.decode("utf-8", errors="replace"))
     return text
-
