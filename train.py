@@ -20,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also runs from a checkout not pip-installed
 
-from transformer.allocator import retain_freed_memory  # noqa: E402
 from transformer.config import ConfigError, TrainConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
 from transformer.finish import finish  # noqa: E402
@@ -30,7 +29,6 @@ from transformer.training.checkpoint import CheckpointError  # noqa: E402
 
 @hydra.main(config_path="configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    retain_freed_memory()
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # each job of a sweep trains in its own directory
         cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
     try:

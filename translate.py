@@ -14,7 +14,6 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer.allocator import retain_freed_memory
 from transformer.atomic import write_atomic
 from transformer.config import ConfigError, TranslateConfig, from_dict
 from transformer.training.checkpoint import CheckpointError
@@ -49,7 +48,6 @@ def run(cfg: TranslateConfig) -> None:
 
 @hydra.main(config_path="configs", config_name="translate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    retain_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
     try:
         run(from_dict(TranslateConfig, OmegaConf.to_container(cfg, resolve=True)))

@@ -32,9 +32,7 @@ data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at 
 
 Every model trains with fused Adam, as the training loop does. CUDA runs use bf16 autocast and TF32;
 decoding runs the models in bf16 (as translate.py does) and CTranslate2 in `--ct2-compute`. CPU runs
-are fp32 on `--threads` threads. The process keeps freed memory in glibc's heap, as train.py and
-translate.py do (transformer/allocator.py; every model in the run shares the setting;
-`--default-malloc` measures without it). A step here is what the model, loss and optimizer cost; the training
+are fp32 on `--threads` threads. A step here is what the model, loss and optimizer cost; the training
 loop adds a gradient norm and three scalar reads per step. The matmul peak is torch's own (on the CPU
 the better of its two fp32 GEMMs, MKL and oneDNN; the project's linear layers use oneDNN there, see
 transformer/linear.py), so MFU is relative to what torch reaches on this machine, not to the hardware.
@@ -74,7 +72,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
 
-from transformer.allocator import retain_freed_memory  # noqa: E402
 from transformer.config import DataConfig, ModelConfig  # noqa: E402
 from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate  # noqa: E402
 from transformer.data.tokenizer import EOS_ID, PAD_ID  # noqa: E402
@@ -122,12 +119,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peers", default="torch,marian,ct2", help="comma-separated: torch, marian, ct2")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled models")
-    p.add_argument(
-        "--default-malloc",
-        dest="retain_memory",
-        action="store_false",
-        help="leave glibc's malloc as it is (default: keep freed memory, as train.py and translate.py do)",
-    )
     p.add_argument("--batch", type=int, help="train: sentences per fixed-shape step (cuda 768, cpu 16)")
     p.add_argument("--length", type=int, default=32, help="train: source and target tokens per sentence")
     p.add_argument("--steps", type=int, help="train: timed steps per model (cuda 20, cpu 5)")
@@ -479,7 +470,9 @@ def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: in
     for name in families:
         torch.manual_seed(seed)
         module = builders[name](cfg, setup.label_smoothing).to(setup.device).train()
-        optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        optimizer = torch.optim.Adam(
+            module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True
+        )
         trainees.append(Trainee(name, "eager", module, module, optimizer))
         if compile:  # static shapes, as the project's training wraps its objective
             trainees.append(
@@ -1153,8 +1146,7 @@ def print_report(report: dict[str, Any]) -> None:
     load = meta["load_average_at_end"]
     print(
         f"\n== benchmark: {meta['device_name']}, torch {meta['torch']}, {meta['size']} dims, "
-        f"{meta['threads']} CPU threads, freed memory {'kept' if meta['freed_memory_kept'] else 'returned'}"
-        f"; {meta['seconds']:.0f} s in all; load average "
+        f"{meta['threads']} CPU threads, {meta['seconds']:.0f} s in all; load average "
         f"{'n/a' if load is None else f'{load[0]:.1f}'} at the end =="
     )
     if "train" in report:
@@ -1205,13 +1197,12 @@ def describe(args: argparse.Namespace, setup: Setup, cfg: ModelConfig) -> dict[s
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     start = time.perf_counter()
-    retained = args.retain_memory and retain_freed_memory()  # process-wide: once set, it stays
     setup = make_setup(args)
     cfg = SIZES[args.size]
     notes: list[str] = []
     peers = available_peers(args, notes)
     _register_cpu_flops()
-    report: dict[str, Any] = {"meta": describe(args, setup, cfg) | {"freed_memory_kept": retained}}
+    report: dict[str, Any] = {"meta": describe(args, setup, cfg)}
     if "train" in args.sections:
         report["train"] = section_train(args, cfg, setup, peers)
         if not args.big:

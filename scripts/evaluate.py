@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
 
-from transformer.allocator import retain_freed_memory  # noqa: E402
 from transformer.config import ConfigError, EvaluateConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
 from transformer.evaluation import evaluate_checkpoint  # noqa: E402
@@ -26,7 +25,6 @@ from transformer.translation import exit_with_error  # noqa: E402
 
 @hydra.main(config_path="../configs", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    retain_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
     try:
         result = evaluate_checkpoint(from_dict(EvaluateConfig, OmegaConf.to_container(cfg, resolve=True)))
