@@ -32,6 +32,7 @@ def test_the_published_tiny_model_and_evaluation_protocol():
     m = cfg.model
     assert (m.n_layers, m.d_model, m.d_ff, m.n_heads) == (4, 128, 256, 4)
     assert (cfg.data.name, cfg.data.src_lang, cfg.data.tgt_lang) == ("multi30k", "en", "de")
+    assert cfg.data.lowercase  # the published figures train on and score lowercased text
     assert (cfg.finish.average_last, cfg.finish.evaluate_split, cfg.finish.beam_size) == (10, "test", 5)
     assert cfg.trainer.keep_last >= cfg.finish.average_last  # the checkpoints to average are kept
     assert cfg.trainer.device == "cpu" and cfg.optim.label_smoothing == 0.1
