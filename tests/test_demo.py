@@ -40,7 +40,7 @@ def test_short_demo_prepares_trains_averages_evaluates_translates_and_draws(tmp_
 
     # BLEU on the toy test set beside the paper's WMT figures (for context), written as JSON too
     assert "this checkpoint: sacrebleu" in out and "another corpus: for context only" in out
-    scores = json.loads(Path(f"{averaged}.toy.test.beam4.alpha0.6.bleu.json").read_text())["scores"]
+    scores = json.loads(Path(f"{averaged}.toy.test.beam2.alpha0.6.bleu.json").read_text())["scores"]
     assert 0.0 <= scores["sacrebleu"]["score"] <= 100.0
 
     # example translations, the attention heatmaps and the next commands
