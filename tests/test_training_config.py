@@ -146,6 +146,10 @@ def test_bad_values_fail_before_any_work():
         composed("trainer.max_tokens=0")
     with pytest.raises(ConfigError, match="trainer.save_every_steps=-1"):
         composed("trainer.save_every_steps=-1")
+    with pytest.raises(ConfigError, match=r"data.lowercase='maybe' must be true or false"):
+        composed("data.lowercase=maybe")  # a non-empty string would pass as true
+    with pytest.raises(ConfigError, match=r"model.norm_first=1 must be true or false"):
+        composed("model.norm_first=1")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

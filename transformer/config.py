@@ -347,6 +347,8 @@ def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
         hint = hints[key]
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
             value = from_dict(hint, value, f"{where}{key}.")
+        elif hint is bool and not isinstance(value, bool):  # "maybe" or 1 would pass as truthy
+            raise ConfigError(f"{where}{key}={value!r} must be true or false")
         kwargs[key] = value
     return cls(**kwargs)
 
