@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from transformer.attention import KV, MultiHeadAttention
 from transformer.config import ModelConfig
-from transformer.linear import Linear
+from transformer.linear import Linear, linear
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
@@ -64,7 +64,8 @@ class FeedForward(nn.Module):
         self.w_2 = Linear(d_ff, d_model)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(torch.relu(self.w_1(x)))
+        hidden = linear(x, self.w_1.weight, self.w_1.bias, relu=True)  # max(0, x W_1 + b_1), in one call
+        return self.w_2(hidden)
 
 
 class Residual(nn.Module):
