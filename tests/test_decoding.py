@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from transformer import decoding
 from transformer.config import ModelConfig
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.decoding import beam_search, greedy_search, length_penalty
@@ -72,12 +73,24 @@ class NoCacheModel:
         prefix = torch.cat([cache.prefix, tokens], dim=1)
         beams = prefix.size(0) // cache.memory.size(0)  # beam search keeps one memory row per sentence
         memory, src_mask = cache.memory.repeat_interleave(beams, 0), src_mask.repeat_interleave(beams, 0)
-        return self.model.decode(prefix, memory, src_mask)[:, -1:], PrefixCache(prefix, cache.memory)
+        return self.model.decoder_states(prefix, memory, src_mask)[:, -1:], PrefixCache(prefix, cache.memory)
+
+    def project(self, states, start=0, end=None):
+        return self.model.project(states, start, end)
+
+    @property
+    def embed(self):
+        return self.model.embed
+
+    @property
+    def decoder(self):
+        return self.model.decoder
 
 
 @torch.no_grad()
-def teacher_forced_score(model: Transformer, src_row: torch.Tensor, tokens: list[int], max_len: int,
-                         alpha: float) -> float:
+def teacher_forced_score(
+    model: Transformer, src_row: torch.Tensor, tokens: list[int], max_len: int, alpha: float
+) -> float:
     """log P(Y|X) / lp(Y) by one full `decode`; Y ends in EOS unless it was cut at the limit max_len."""
     src = src_row[None, : int((src_row != PAD_ID).sum())]
     y = tokens if len(tokens) == max_len else tokens + [EOS_ID]
@@ -191,6 +204,38 @@ def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
         result = search()
         assert [len(t) for t in result.tokens] == [3 + 3, 7 + 3]
         assert all(EOS_ID not in t and PAD_ID not in t and BOS_ID not in t for t in result.tokens)
+
+
+@pytest.mark.parametrize(
+    "chunk, step, min_len, n", [(7, 1, 0, 8), (13, 2, 5, 8), (9, 3, 0, 1), (40, 1, 0, 8)]
+)
+def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, step, min_len, n):
+    """The n best of a projection made chunk by chunk (each chunk's own log-softmax and log-sum-exp)
+    are torch.topk of the log-softmax over the whole vocabulary, PAD, BOS (and EOS before min_len) out."""
+    monkeypatch.setattr(decoding, "VOCAB_CHUNK", chunk)
+    chunks = decoding._vocab_chunks(40)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 40 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    assert len(chunks) == math.ceil(40 / chunk) and len({end - start for start, end in chunks[:-1]}) <= 1
+    model = tiny_model(vocab=40, seed=3)
+    states = torch.randn(5, 32, dtype=torch.float64) * 3
+    expected = model.project(states).log_softmax(dim=-1)  # (5, 40)
+    expected[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = float("-inf")
+    values, index = expected.topk(n, dim=-1)
+    got_values, got_index = decoding._best_next(model, states, step, min_len, n)
+    assert torch.equal(got_index, index)
+    torch.testing.assert_close(got_values, values.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_float32_search_on_packed_onednn_weights_equals_plain_f_linear():
+    """The float32 CPU path (weights packed for oneDNN, written-out attention) decodes exactly as
+    F.linear does with oneDNN switched off."""
+    model = tiny_model(seed=5, dtype=torch.float32)
+    src = sources([9, 2, 5, 1], 24, seed=6)
+    fast = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
+    with torch.backends.mkldnn.flags(enabled=False):
+        plain = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
+    assert fast.tokens == plain.tokens and len({len(t) for t in fast.tokens}) > 1
+    torch.testing.assert_close(fast.scores, plain.scores, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_model_gives_float32_scores():

@@ -73,6 +73,8 @@ def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads):
     assert len(records) == 1 and records[0].kind == kind
     torch.testing.assert_close(fast, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(reference, expected, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # a few queries on a CPU at inference: the written-out path, unrecorded
+        torch.testing.assert_close(attn(x, memory, key_mask=key_arg)[0], expected, rtol=1e-10, atol=1e-12)
 
 
 def test_whole_model_sdpa_equals_reference_path():
@@ -127,13 +129,13 @@ def test_cached_incremental_decoding_equals_full_decoder(overrides):
     full = model.decode(tgt, memory, mask)
     cache = None
     for t in range(tgt.size(1)):
-        step, cache = model.decode_step(tgt[:, t : t + 1], memory, mask, cache)
+        step, cache = model.decode_step(tgt[:, t : t + 1], memory, mask, cache)  # the cache grows: 1, 2, 4, 8
         assert cache.length == t + 1
-        torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(model.project(step)[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
     # A prefix of several tokens at once, then one more step, also matches.
     prefix, cache = model.decode_step(tgt[:, :3], memory, mask)
     rest, _ = model.decode_step(tgt[:, 3:], memory, mask, cache)
-    torch.testing.assert_close(torch.cat([prefix, rest], 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(model.project(torch.cat([prefix, rest], 1)), full, rtol=1e-10, atol=1e-10)
 
 
 def test_cache_select_reorders_rows():
@@ -142,9 +144,13 @@ def test_cache_select_reorders_rows():
     mask = model.src_mask(src)
     memory = model.encode(src, mask)
     _, cache = model.decode_step(tgt[:, :2], memory, mask)
-    index = torch.tensor([2, 0, 0])
-    step, _ = model.decode_step(tgt[index, 2:3], memory[index], mask[index], cache.select(index, index))
-    torch.testing.assert_close(step[:, 0], model.decode(tgt[index, :3], memory[index], mask[index])[:, 2])
+    index, again = torch.tensor([2, 0, 0]), torch.tensor([1, 2, 0, 1])
+    # Two reorders in a row (the second picks from the first's rows), carried out by the next step.
+    cache = cache.select(index, index).select(again, again)
+    rows = index[again]
+    step, _ = model.decode_step(tgt[rows, 2:3], memory[rows], mask[rows], cache)
+    expected = model.decode(tgt[rows, :3], memory[rows], mask[rows])[:, 2]
+    torch.testing.assert_close(model.project(step)[:, 0], expected)
 
 
 @pytest.mark.parametrize(

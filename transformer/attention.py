@@ -34,6 +34,7 @@ class AttentionRecord:
 
 
 _recorder: list[AttentionRecord] | None = None
+FEW_QUERIES = 16  # at most this many queries per row take the written-out path on a CPU at inference
 
 
 @contextmanager
@@ -53,6 +54,79 @@ class KV:
 
     k: Tensor
     v: Tensor
+
+    def select(self, rows: Tensor) -> KV:
+        """Keep rows (B',) of the batch."""
+        return KV(self.k.index_select(0, rows), self.v.index_select(0, rows))
+
+
+class GrowingKV:
+    """Decoder self-attention keys and values of the t positions so far, (B, H_kv, t, d), as views into
+    buffers with room for more positions.
+
+    A step writes its positions in place instead of copying the whole past (torch.cat); full buffers
+    are replaced by ones twice as long. A beam reorder (`select`) is only noted, and carried out by the
+    next `append`, right before that layer's attention reads the keys and values (while they are still
+    in cache): one copy into a second buffer, which then swaps roles with the first. So no step
+    allocates memory (on a CPU, fresh multi-megabyte tensors cost page faults). A cache is consumed by
+    the call that extends or reorders it: the cache returned reuses its buffers.
+    """
+
+    def __init__(
+        self,
+        k: Tensor | None = None,
+        v: Tensor | None = None,
+        length: int = 0,
+        spare: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        self.k_buf, self.v_buf = k, v  # (B, H_kv, capacity, d); None before the first append
+        self.length = length
+        self.spare = spare  # the next reorder's buffers: (>= B, H_kv, capacity, d)
+        self.rows: Tensor | None = None  # (B',) a pending reorder: row i becomes row rows[i]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k_buf is None else self.k_buf.size(2)
+
+    @property
+    def k(self) -> Tensor:
+        return self._reordered().k_buf[:, :, : self.length]  # (B, H_kv, t, d_k)
+
+    @property
+    def v(self) -> Tensor:
+        return self._reordered().v_buf[:, :, : self.length]  # (B, H_kv, t, d_v)
+
+    def select(self, rows: Tensor) -> GrowingKV:
+        """Keep rows (B',) of the batch; a row may repeat (the beams of one hypothesis)."""
+        cache = GrowingKV(self.k_buf, self.v_buf, self.length, self.spare)
+        cache.rows = rows if self.rows is None else self.rows[rows]
+        return cache
+
+    def append(self, k: Tensor, v: Tensor) -> GrowingKV:
+        """k (B, H_kv, T, d_k), v (B, H_kv, T, d_v): the next T positions."""
+        cache = self._reordered()
+        t, end = cache.length, cache.length + k.size(2)
+        if end > cache.capacity:  # out of room: move to buffers at least twice as long
+            (b, h, _, d_k), d_v, capacity = k.shape, v.size(3), max(end, 2 * cache.capacity)
+            grown = GrowingKV(k.new_empty(b, h, capacity, d_k), v.new_empty(b, h, capacity, d_v), t)
+            if t > 0:
+                grown.k_buf[:, :, :t], grown.v_buf[:, :, :t] = cache.k, cache.v
+            cache = grown
+        cache.k_buf[:, :, t:end], cache.v_buf[:, :, t:end] = k, v
+        return GrowingKV(cache.k_buf, cache.v_buf, end, cache.spare)
+
+    def _reordered(self) -> GrowingKV:
+        """Carry out a pending reorder (in place: this cache is consumed anyway)."""
+        if self.rows is None or self.k_buf is None:
+            return self
+        n, t = self.rows.size(0), self.length
+        if self.spare is None or self.spare[0].size(0) < n or self.spare[0].size(2) != self.capacity:
+            self.spare = tuple(buf.new_empty(n, *buf.shape[1:]) for buf in (self.k_buf, self.v_buf))
+        k, v = self.spare[0][:n], self.spare[1][:n]  # (B', H_kv, capacity, d)
+        torch.index_select(self.k_buf[:, :, :t], 0, self.rows, out=k[:, :, :t])
+        torch.index_select(self.v_buf[:, :, :t], 0, self.rows, out=v[:, :, :t])
+        self.k_buf, self.v_buf, self.spare, self.rows = k, v, (self.k_buf, self.v_buf), None
+        return self
 
 
 def reference_attention(
@@ -127,8 +201,8 @@ class MultiHeadAttention(nn.Module):
         x: Tensor,
         memory: Tensor | None = None,
         key_mask: Tensor | None = None,
-        past: KV | None = None,
-    ) -> tuple[Tensor, KV | None]:
+        past: KV | GrowingKV | None = None,
+    ) -> tuple[Tensor, KV | GrowingKV | None]:
         """x: (B, T_q, d_model) queries (and keys/values for self-attention).
 
         memory: (B, T_k, d_model) encoder output (cross-attention), or a ready `past` KV for it.
@@ -143,7 +217,7 @@ class MultiHeadAttention(nn.Module):
             q = self._heads(q, self.n_heads)  # (B, H, T_q, d_k)
             kv = KV(self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads))  # (B, H_kv, T, d)
             if past is not None:
-                kv = KV(torch.cat([past.k, kv.k], dim=2), torch.cat([past.v, kv.v], dim=2))
+                kv = past.append(kv.k, kv.v)
         if kv.k.size(0) != q.size(0):  # beam search: the beams of a sentence share its cross K/V
             out = self._attend_beams(q, kv, key_mask)  # (B, H, T_q, d_v)
         else:
@@ -167,12 +241,16 @@ class MultiHeadAttention(nn.Module):
         causal = self.kind == "decoder_self"
         p = self.dropout if self.training else 0.0
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, T_k)
-        if _recorder is not None or (causal and t_q > 1 and t_q != t_k):
+        # A CPU decoding step (a few queries per row, no gradient) is faster written out than through
+        # the fused kernel, whose fixed cost per (row, head) dominates at these sizes.
+        few_queries = q.device.type == "cpu" and t_q <= FEW_QUERIES and not torch.is_grad_enabled()
+        if _recorder is not None or few_queries or (causal and t_q > 1 and t_q != t_k):
             if causal and t_q > 1:
                 cm = causal_mask(t_q, t_k, q.device)
                 mask = cm if mask is None else mask & cm
-            group = self.n_heads // self.n_kv_heads
-            k, v = kv.k.repeat_interleave(group, dim=1), kv.v.repeat_interleave(group, dim=1)
+            k, v, group = kv.k, kv.v, self.n_heads // self.n_kv_heads
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             out, weights = reference_attention(q, k, v, mask, p)
             if _recorder is not None:
                 _recorder.append(AttentionRecord(self.kind, self.layer, weights.detach()))

@@ -23,21 +23,28 @@ possible". The details it leaves open follow tensor2tensor, the paper's own code
 Each step feeds one token per hypothesis through `Transformer.decode_step` with the explicit
 `DecoderCache`; beams are reordered with `cache.select(rows, None)`: the encoder-decoder keys and
 values keep one row per sentence, shared by its beams, and are only cut when sentences finish.
+The output projection is made a vocabulary chunk at a time (`_best_next`), and on a CPU the
+decoder's weights are packed for oneDNN once per search (`linear.prepacked`).
 Scores are accumulated in float32, so the model may run in bfloat16.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.linear import prepacked
 from transformer.model import Transformer
 
 NEG_INF = float("-inf")
+VOCAB_CHUNK = 8192  # vocabulary entries projected at once while choosing the next tokens
 
 
 @dataclass
@@ -59,13 +66,54 @@ def max_output_lengths(src_mask: Tensor, max_len_a: float, max_len_b: int, max_p
     return lengths.clamp(min=1, max=max_positions)
 
 
-def _best_next(logits: Tensor, step: int, min_len: int, n: int) -> tuple[Tensor, Tensor]:
-    """The n most probable next tokens of each row of logits (N, V) and their float32
-    log P(y_step | y_<step, X). PAD and BOS are never generated; EOS is held back while
-    step <= min_len (only benchmarks that force an output length set min_len)."""
-    log_probs = logits.log_softmax(dim=-1, dtype=torch.float32)  # (N, V), over the whole vocabulary
-    log_probs[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = NEG_INF
-    return log_probs.topk(min(n, log_probs.size(-1)), dim=-1)  # (N, n) twice
+def _vocab_chunks(vocab: int) -> list[tuple[int, int]]:
+    """[start, end) of about VOCAB_CHUNK entries each, equal in size."""
+    size = -(-vocab // -(-vocab // VOCAB_CHUNK))
+    return [(start, min(start + size, vocab)) for start in range(0, vocab, size)]
+
+
+def search_weights(model: Transformer) -> list[Tensor]:
+    """The weights a search multiplies by at every step: the decoder's linear maps and the output
+    projection's chunks (the encoder runs once per batch)."""
+    vocab = model.embed.weight
+    linears = [m.weight for m in model.decoder.modules() if isinstance(m, nn.Linear)]
+    return linears + [vocab[start:end] for start, end in _vocab_chunks(vocab.size(0))]
+
+
+def _with_packed_weights(search: Callable[..., SearchResult]) -> Callable[..., SearchResult]:
+    """Run the search with its weights packed once for oneDNN (`linear.prepacked`)."""
+
+    @functools.wraps(search)
+    def run(model: Transformer, *args: Any, **kwargs: Any) -> SearchResult:
+        with prepacked(search_weights(model)):
+            return search(model, *args, **kwargs)
+
+    return run
+
+
+def _best_next(model: Transformer, states: Tensor, step: int, min_len: int, n: int) -> tuple[Tensor, Tensor]:
+    """The n most probable next tokens after each final decoder state of states (N, d_model), and their
+    float32 log P(y_step | y_<step, X). PAD and BOS are never generated; EOS is held back while
+    step <= min_len (only benchmarks that force an output length set min_len).
+
+    The vocabulary is projected a chunk at a time, each chunk's logits used while still in cache (its
+    n best and its log-sum-exp): no (N, V) tensor is made at each step.
+    """
+    lses, values, indices = [], [], []
+    for start, end in _vocab_chunks(model.embed.weight.size(0)):
+        logits = model.project(states, start, end)  # (N, c)
+        log_probs = logits.log_softmax(dim=-1, dtype=torch.float32)  # (N, c), normalized within the chunk
+        if start == 0:
+            log_probs[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = NEG_INF
+        top, index = log_probs.topk(min(n, end - start), dim=-1, sorted=False)  # (N, n)
+        lse = logits.gather(1, index[:, :1]).float() - top[:, :1]  # (N, 1) the chunk's log-sum-exp
+        lses.append(lse)
+        values.append(top + lse)  # (N, n) their logits, in float32
+        indices.append(index + start)
+    lse = torch.cat(lses, dim=1).logsumexp(dim=1, keepdim=True)  # (N, 1) over the whole vocabulary
+    candidates = torch.cat(values, dim=1)  # (N, chunks * n)
+    best, pick = candidates.topk(min(n, candidates.size(1)), dim=-1)  # (N, n), best first
+    return best - lse, torch.cat(indices, dim=1).gather(1, pick)
 
 
 class _Results:
@@ -86,6 +134,7 @@ class _Results:
 
 
 @torch.inference_mode()
+@_with_packed_weights
 def greedy_search(
     model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0
 ) -> SearchResult:
@@ -103,8 +152,8 @@ def greedy_search(
     results, cache = _Results(n), None
     for step in range(1, int(max_len.max()) + 1):
         # after the first step the cache holds every layer's cross-attention keys and values
-        logits, cache = model.decode_step(tokens[:, -1:], memory if cache is None else None, src_mask, cache)
-        best, token = _best_next(logits[:, -1], step, min_len, 1)  # (N, 1)
+        states, cache = model.decode_step(tokens[:, -1:], memory if cache is None else None, src_mask, cache)
+        best, token = _best_next(model, states[:, -1], step, min_len, 1)  # (N, 1)
         token = token[:, 0]
         scores = scores + best[:, 0]
         tokens = torch.cat([tokens, token[:, None]], dim=1)
@@ -143,6 +192,7 @@ class _Beams:
 
 
 @torch.inference_mode()
+@_with_packed_weights
 def beam_search(
     model: Transformer,
     src: Tensor,
@@ -162,7 +212,7 @@ def beam_search(
     max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
     # Step 1 sees the same prefix [BOS] in every beam: run it once per sentence; its reorder then
     # copies each sentence's self-attention cache row into its k beams.
-    logits, cache = model.decode_step(src.new_full((b, 1), BOS_ID), memory, src_mask)
+    states, cache = model.decode_step(src.new_full((b, 1), BOS_ID), memory, src_mask)
     beams = _Beams(
         ids=torch.arange(b, device=src.device),
         max_len=max_len,
@@ -175,7 +225,7 @@ def beam_search(
     )
     results = _Results(b)
     # Only a row's 2k best tokens can be among the 2k best candidates of its sentence.
-    top = _best_next(logits[:, -1], 1, min_len, 2 * k)  # (B, 2k) twice
+    top = _best_next(model, states[:, -1], 1, min_len, 2 * k)  # (B, 2k) twice
     for step in range(1, int(max_len.max()) + 1):
         beams, reorder = _advance(beams, *top, step, k, alpha)
         # Done: at the length limit, or no live hypothesis can still beat the best finished one.
@@ -191,8 +241,8 @@ def beam_search(
             reorder = reorder[kept]  # (n * k,) the cache rows the kept hypotheses extend
         cache = cache.select(reorder, sentences if shrink else None)
         # memory=None: every layer's cross-attention keys and values are already in the cache
-        logits, cache = model.decode_step(beams.tokens[:, -1:], None, beams.src_mask, cache)
-        top = _best_next(logits[:, -1], step + 1, min_len, 2 * k)  # (N * k, 2k) twice
+        states, cache = model.decode_step(beams.tokens[:, -1:], None, beams.src_mask, cache)
+        top = _best_next(model, states[:, -1], step + 1, min_len, 2 * k)  # (N * k, 2k) twice
     return results.result()
 
 

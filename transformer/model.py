@@ -3,16 +3,18 @@ shared embedding matrix for source tokens, target tokens and the pre-softmax pro
 
     memory = model.encode(src, src_mask)                        # (B, S, d_model)
     logits = model.decode(tgt_in, memory, src_mask)             # (B, T, vocab), teacher forcing
-    logits, cache = model.decode_step(tokens, memory, src_mask, cache)  # incremental decoding
+    states, cache = model.decode_step(tokens, memory, src_mask, cache)  # incremental decoding
+    logits = model.project(states)                               # (B, t, vocab)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
-from transformer.attention import KV, MultiHeadAttention
+from transformer.attention import KV, GrowingKV, MultiHeadAttention
 from transformer.config import ModelConfig
 from transformer.layers import DecoderLayer, Embeddings, EncoderLayer
 from transformer.linear import linear
@@ -26,30 +28,24 @@ class DecoderCache:
     cross_kv: per layer, encoder-decoder keys/values, computed once per source, (B, H_kv, S, d).
     """
 
-    self_kv: list[KV | None] = field(default_factory=list)
+    self_kv: list[GrowingKV | None] = field(default_factory=list)
     cross_kv: list[KV | None] = field(default_factory=list)
 
     @property
     def length(self) -> int:
         """Target positions already decoded."""
-        return 0 if not self.self_kv or self.self_kv[0] is None else self.self_kv[0].k.size(2)
+        return 0 if not self.self_kv or self.self_kv[0] is None else self.self_kv[0].length
 
     def select(self, index: Tensor, cross_index: Tensor | None) -> DecoderCache:
         """Keep self-attention rows `index` (B',) and cross-attention rows `cross_index`.
 
         cross_index=None leaves the cross-attention keys/values as they are: in beam search they
         have one row per sentence, shared by its beams (see `MultiHeadAttention`), so reordering
-        beams never copies them; only sentences leaving the batch do.
+        beams never copies them; only sentences leaving the batch do. The self-attention reorder is
+        carried out by the next `decode_step` (see `GrowingKV`).
         """
-
-        def pick(kv: KV | None, rows: Tensor | None) -> KV | None:
-            if kv is None or rows is None:
-                return kv
-            return KV(kv.k.index_select(0, rows), kv.v.index_select(0, rows))
-
-        return DecoderCache(
-            [pick(kv, index) for kv in self.self_kv], [pick(kv, cross_index) for kv in self.cross_kv]
-        )
+        cross = self.cross_kv if cross_index is None else [kv.select(cross_index) for kv in self.cross_kv]
+        return DecoderCache([kv.select(index) for kv in self.self_kv], cross)
 
 
 class Transformer(nn.Module):
@@ -101,20 +97,29 @@ class Transformer(nn.Module):
             y = layer(y, memory, src_mask)[0]
         return self.decoder_norm(y)
 
-    def project(self, states: Tensor) -> Tensor:
-        """Pre-softmax linear transformation with the shared embedding matrix: (B, T, d) -> (B, T, V)."""
-        return linear(states, self.embed.weight)
+    def project(self, states: Tensor, start: int = 0, end: int | None = None) -> Tensor:
+        """Pre-softmax linear transformation with the shared embedding matrix: (B, T, d) -> (B, T, V),
+        or only the logits of vocabulary entries [start, end)."""
+        return linear(states, self.embed.weight[start:end])
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         """tgt: (B, T) decoder inputs ([BOS] + y_<t) -> logits (B, T, V) over the next token."""
         return self.project(self.decoder_states(tgt, memory, src_mask))
 
+    @torch.no_grad()
     def decode_step(
-        self, tokens: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None
+        self,
+        tokens: Tensor,
+        memory: Tensor | None,
+        src_mask: Tensor,
+        cache: DecoderCache | None = None,
     ) -> tuple[Tensor, DecoderCache]:
-        """Incremental decoding: tokens (B, t) that follow the `cache.length` positions already seen.
+        """Incremental decoding (inference, no gradients): tokens (B, t) that follow the `cache.length`
+        positions already seen.
 
-        Returns logits (B, t, V) and the grown cache (the input cache is left unchanged).
+        Returns the final decoder states (B, t, d_model) (`project` gives the logits) and the grown
+        cache; the input cache is consumed. memory may be None once the cache holds the cross-attention
+        keys and values.
         """
         cache = cache if cache is not None else DecoderCache()
         n = len(self.decoder)
@@ -123,14 +128,15 @@ class Transformer(nn.Module):
         y = self.embed(tokens, offset=cache.length)
         new_self, new_cross = [], []
         for layer, past, cross in zip(self.decoder, self_kv, cross_kv):
-            if past is None:  # first step: an empty cache of the right shape
-                attn = layer.self_attn
-                empty = y.new_zeros(y.size(0), attn.n_kv_heads, 0, attn.d_k)
-                past = KV(empty, y.new_zeros(y.size(0), attn.n_kv_heads, 0, attn.d_v))
+            if cross is None:  # first step; the cross-attention keys and values are laid out
+                # (B, H_kv, S, d) once, as every step's attention reads them
+                cross = layer.cross_attn.project_kv(memory)
+                cross = KV(cross.k.contiguous(), cross.v.contiguous())
+            past = past if past is not None else GrowingKV()
             y, past, cross = layer(y, memory, src_mask, self_past=past, cross_kv=cross)
             new_self.append(past)
             new_cross.append(cross)
-        return self.project(self.decoder_norm(y)), DecoderCache(new_self, new_cross)
+        return self.decoder_norm(y), DecoderCache(new_self, new_cross)
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
         """Training: src (B, S), tgt (B, T) decoder inputs -> logits (B, T, V)."""

@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from transformer.config import ConfigError, DecodeConfig
 from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from transformer.decoding import SearchResult, beam_search, greedy_search
+from transformer.decoding import SearchResult, beam_search, greedy_search, search_weights
+from transformer.linear import prepacked
 from transformer.model import Transformer
 from transformer.training.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 
@@ -103,7 +104,8 @@ class Translator:
         """Output piece ids per source; sources are batched by length and results put back in order."""
         outputs: list[list[int]] = [[] for _ in sources]
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
-        with tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating") as bar:
+        bar = tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating")
+        with bar, prepacked(search_weights(self.model)):  # the weights packed once for every batch
             for batch in _batches(todo, [len(ids) for ids in sources], self.cfg.max_tokens):
                 src = torch.full((len(batch), len(sources[batch[0]])), PAD_ID, dtype=torch.long)  # (B, S)
                 for row, i in enumerate(batch):
