@@ -470,9 +470,7 @@ def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: in
     for name in families:
         torch.manual_seed(seed)
         module = builders[name](cfg, setup.label_smoothing).to(setup.device).train()
-        optimizer = torch.optim.Adam(
-            module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True
-        )
+        optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
         trainees.append(Trainee(name, "eager", module, module, optimizer))
         if compile:  # static shapes, as the project's training wraps its objective
             trainees.append(

@@ -1,7 +1,7 @@
 """Training curves of one or more runs, from their TensorBoard event files, as one PNG.
 
-    python scripts/plot_curves.py runs/multi30k --output docs/results/multi30k_curves.png
-    python scripts/plot_curves.py runs/a runs/b --output curves.png       # runs side by side
+python scripts/plot_curves.py runs/multi30k --output docs/results/multi30k_curves.png
+python scripts/plot_curves.py runs/a runs/b --output curves.png       # runs side by side
 """
 
 import argparse

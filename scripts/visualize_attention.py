@@ -1,7 +1,7 @@
 """Attention heatmaps of one sentence and its translation (the paper's Figures 3-5).
 
-  python scripts/visualize_attention.py checkpoint=PATH text='"The cat sat on the mat."' layer=-1
-  ... tensorboard=true   # also as TensorBoard images: tensorboard --logdir attention
+python scripts/visualize_attention.py checkpoint=PATH text='"The cat sat on the mat."' layer=-1
+... tensorboard=true   # also as TensorBoard images: tensorboard --logdir attention
 """
 
 import logging

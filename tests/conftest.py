@@ -26,8 +26,9 @@ def make_tiny_checkpoint(path: Path, max_positions: int = 128, seed: int = 0) ->
     """An untrained tiny Transformer with a real SentencePiece tokenizer, in the checkpoint format."""
     spm_model = train_tokenizer(TINY_SENTENCES, vocab_size=80)
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=80, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0,
-                      max_positions=max_positions)
+    cfg = ModelConfig(
+        vocab_size=80, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0, max_positions=max_positions
+    )
     ckpt = {
         "format": FORMAT,
         "model": Transformer(cfg).state_dict(),

@@ -16,11 +16,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_short_demo_prepares_trains_averages_evaluates_translates_and_draws(tmp_path):
     run_dir, data_dir = tmp_path / "run", tmp_path / "toy"
     command = [
-        sys.executable, "train.py", "experiment=demo",
-        f"trainer.run_dir={run_dir}", f"data.dir={data_dir}",
-        "data.toy.n_train=600", "data.toy.n_valid=20", "data.toy.n_test=12", "data.vocab_size=400",
-        "trainer.max_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=3",
-        "trainer.max_tokens=512", "trainer.tokens_per_step=1024", "trainer.progress=false",
+        sys.executable,
+        "train.py",
+        "experiment=demo",
+        f"trainer.run_dir={run_dir}",
+        f"data.dir={data_dir}",
+        "data.toy.n_train=600",
+        "data.toy.n_valid=20",
+        "data.toy.n_test=12",
+        "data.vocab_size=400",
+        "trainer.max_steps=6",
+        "trainer.save_every_steps=2",
+        "trainer.eval_every_steps=3",
+        "trainer.max_tokens=512",
+        "trainer.tokens_per_step=1024",
+        "trainer.progress=false",
         "finish.beam_size=2",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -74,7 +74,8 @@ def test_paper_table_puts_published_figures_beside_ours():
     assert f"{delta:+.2f} for this checkpoint" in table
     assert "25.80" in paper_table(scores, "wmt14_en_de", "valid")
     assert "41.02" in paper_table(scores, "multi30k", "test") and "not scored here" in paper_table(
-        scores, "multi30k", "test")
+        scores, "multi30k", "test"
+    )
     toy = paper_table(scores, "toy", "test")  # the synthetic corpus: WMT figures for context only
     assert "27.30" in toy and "another corpus: for context only" in toy and "for this checkpoint" not in toy
 
@@ -88,8 +89,12 @@ def write_corpus(directory: Path, src: list[str], tgt: list[str]) -> Path:
 
 def test_read_split_reads_only_that_split(tmp_path):
     corpus = write_corpus(tmp_path / "m30k", ["A dog.", "A cat."], ["Ein Hund.", "Eine Katze."])
-    cfg = DataConfig(name="multi30k", source="local", path=str(corpus),
-                     local_splits={"train": "train", "valid": "val", "test": "test_2016_flickr"})
+    cfg = DataConfig(
+        name="multi30k",
+        source="local",
+        path=str(corpus),
+        local_splits={"train": "train", "valid": "val", "test": "test_2016_flickr"},
+    )
     split = read_split(cfg, "test")  # there are no train or val files: they are not read
     assert split.name == "test_2016_flickr"
     assert (split.src, split.tgt) == (["A dog.", "A cat."], ["Ein Hund.", "Eine Katze."])
@@ -103,8 +108,17 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     references = ["Die Katze sieht das Haus.", "Ein Hund mag den Ball.", "Ja."]
     corpus = write_corpus(tmp_path / "m30k", src, references)
     script = str(ROOT / "scripts" / "evaluate.py")
-    command = [sys.executable, script, f"checkpoint={checkpoint}", "data=multi30k", "data.source=local",
-               "split=test", "beam_size=2", "max_len_b=10", f"data.path={corpus}"]
+    command = [
+        sys.executable,
+        script,
+        f"checkpoint={checkpoint}",
+        "data=multi30k",
+        "data.source=local",
+        "split=test",
+        "beam_size=2",
+        "max_len_b=10",
+        f"data.path={corpus}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert done.returncode == 0, done.stderr

@@ -22,7 +22,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def translate(*overrides: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "translate.py"), *overrides],
-        input=stdin, capture_output=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        input=stdin,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
 

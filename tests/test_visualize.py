@@ -43,8 +43,15 @@ def test_one_panel_per_head_labelled_with_pieces(tiny_checkpoint):
 
 def test_script_writes_three_pngs_and_tensorboard_events(tiny_checkpoint, tmp_path):
     script = str(ROOT / "scripts" / "visualize_attention.py")
-    command = [sys.executable, script, f"checkpoint={tiny_checkpoint}", "text=A dog likes a red ball.",
-               f"out_dir={tmp_path}", "tensorboard=true", "max_len_b=3"]
+    command = [
+        sys.executable,
+        script,
+        f"checkpoint={tiny_checkpoint}",
+        "text=A dog likes a red ball.",
+        f"out_dir={tmp_path}",
+        "tensorboard=true",
+        "max_len_b=3",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
