@@ -207,7 +207,7 @@ def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
 
 
 @pytest.mark.parametrize(
-    "chunk, step, min_len, n", [(7, 1, 0, 8), (13, 2, 5, 8), (9, 3, 0, 1), (40, 1, 0, 8)]
+    "chunk, step, min_len, n", [(7, 1, 0, 8), (13, 2, 5, 8), (9, 3, 0, 1), (40, 1, 0, 8), (4, 1, 5, 8)]
 )
 def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, step, min_len, n):
     """The n best of a projection made chunk by chunk (each chunk's own log-softmax and log-sum-exp)

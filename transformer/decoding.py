@@ -105,8 +105,9 @@ def _best_next(model: Transformer, states: Tensor, step: int, min_len: int, n: i
         log_probs = logits.log_softmax(dim=-1, dtype=torch.float32)  # (N, c), normalized within the chunk
         if start == 0:
             log_probs[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = NEG_INF
-        top, index = log_probs.topk(min(n, end - start), dim=-1, sorted=False)  # (N, n)
-        lse = logits.gather(1, index[:, :1]).float() - top[:, :1]  # (N, 1) the chunk's log-sum-exp
+        top, index = log_probs.topk(min(n, end - start), dim=-1)  # (N, n), best first
+        # the chunk's log-sum-exp, from its best entry (finite even where PAD and BOS are among the n)
+        lse = logits.gather(1, index[:, :1]).float() - top[:, :1]  # (N, 1)
         lses.append(lse)
         values.append(top + lse)  # (N, n) their logits, in float32
         indices.append(index + start)
