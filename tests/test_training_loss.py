@@ -14,12 +14,14 @@ from transformer.training.loss import Seq2SeqLoss, smoothed_cross_entropy
 PAD = 0
 
 
-def logits_and_target(n: int = 11, vocab: int = 13, seed: int = 0, dtype=torch.float64):
+def states_weight_and_target(n: int = 11, vocab: int = 13, d: int = 5, seed: int = 0, dtype=torch.float64):
+    """Final decoder states (n, d), an output projection (vocab, d) and targets with two pads."""
     g = torch.Generator().manual_seed(seed)
-    logits = (3 * torch.randn(n, vocab, generator=g)).to(dtype)
+    states = torch.randn(n, d, generator=g).to(dtype)
+    weight = (1.5 * torch.randn(vocab, d, generator=g)).to(dtype)
     target = torch.randint(1, vocab, (n,), generator=g)
     target[[2, 7]] = PAD
-    return logits, target
+    return states, weight, target
 
 
 def smoothed_distribution(target: torch.Tensor, vocab: int, eps: float) -> torch.Tensor:
@@ -37,20 +39,21 @@ def explicit_loss(logits: torch.Tensor, target: torch.Tensor, eps: float) -> tor
 
 
 def test_without_smoothing_it_is_torch_nll():
-    logits, target = logits_and_target()
-    loss, nll = smoothed_cross_entropy(logits, target, 0.0, PAD)
-    expected = F.cross_entropy(logits, target, ignore_index=PAD, reduction="sum")
+    states, weight, target = states_weight_and_target()
+    loss, nll = smoothed_cross_entropy(states, weight, target, 0.0, PAD)
+    expected = F.cross_entropy(states @ weight.T, target, ignore_index=PAD, reduction="sum")
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(nll, expected)
 
 
 @pytest.mark.parametrize("eps", [0.1, 0.2, 0.5])
 def test_matches_explicit_smoothed_cross_entropy_and_kl(eps):
-    logits, target = logits_and_target()
+    states, weight, target = states_weight_and_target()
+    logits = states @ weight.T
     vocab = logits.size(1)
     q = smoothed_distribution(target, vocab, eps)
     torch.testing.assert_close(q.sum(-1), torch.ones(len(target), dtype=torch.float64))
-    loss, nll = smoothed_cross_entropy(logits, target, eps, PAD)
+    loss, nll = smoothed_cross_entropy(states, weight, target, eps, PAD)
     torch.testing.assert_close(loss, explicit_loss(logits, target, eps))
     # cross-entropy = KL(q || p) + H(q)
     keep = target != PAD
@@ -63,32 +66,60 @@ def test_matches_explicit_smoothed_cross_entropy_and_kl(eps):
 
 def test_matches_torch_label_smoothing_with_rescaled_eps():
     """torch spreads eps' over all V tokens (gold included); eps' = eps V / (V - 1) gives the same q."""
-    logits, target = logits_and_target(vocab=29)
+    states, weight, target = states_weight_and_target(vocab=29)
     eps = 0.1
-    loss, _ = smoothed_cross_entropy(logits, target, eps, PAD)
+    loss, _ = smoothed_cross_entropy(states, weight, target, eps, PAD)
     expected = F.cross_entropy(
-        logits, target, ignore_index=PAD, reduction="sum", label_smoothing=eps * 29 / 28
+        states @ weight.T, target, ignore_index=PAD, reduction="sum", label_smoothing=eps * 29 / 28
     )
     torch.testing.assert_close(loss, expected)
 
 
-def test_gradient_matches_autograd_of_the_explicit_loss():
-    logits, target = logits_and_target()
-    ours = logits.clone().requires_grad_()
-    reference = logits.clone().requires_grad_()
-    smoothed_cross_entropy(ours, target, 0.1, PAD)[0].mul(2.5).backward()
-    explicit_loss(reference, target, 0.1).mul(2.5).backward()
-    torch.testing.assert_close(ours.grad, reference.grad)
-    assert ours.grad[target == PAD].abs().max() == 0
+def fused_and_reference_grads(states, weight, target, eps=0.1, scale=2.5):
+    """Gradients of scale x the loss w.r.t. states and weight: ours, and autograd through the explicit
+    loss of the explicit logits."""
+    ours = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
+    reference = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
+    smoothed_cross_entropy(*ours, target, eps, PAD)[0].mul(scale).backward()
+    explicit_loss(reference[0] @ reference[1].T, target, eps).mul(scale).backward()
+    return [t.grad for t in ours], [t.grad for t in reference]
+
+
+def test_gradients_match_autograd_of_the_explicit_loss():
+    states, weight, target = states_weight_and_target()
+    (grad_states, grad_weight), (ref_states, ref_weight) = fused_and_reference_grads(states, weight, target)
+    torch.testing.assert_close(grad_states, ref_states)
+    torch.testing.assert_close(grad_weight, ref_weight)
+    assert grad_states[target == PAD].abs().max() == 0
+    assert grad_states[target != PAD].abs().min() > 0
+
+
+def test_a_second_backward_of_a_retained_graph_gives_the_same_gradients():
+    states, weight, target = states_weight_and_target()
+    states.requires_grad_()
+    loss, _ = smoothed_cross_entropy(states, weight, target, 0.1, PAD)
+    first = torch.autograd.grad(loss, states, retain_graph=True)[0]
+    second = torch.autograd.grad(3 * loss, states)[0]
+    torch.testing.assert_close(second, 3 * first)
+
+
+def test_without_gradients_the_sums_are_the_same():
+    states, weight, target = states_weight_and_target()
+    with torch.no_grad():
+        plain = smoothed_cross_entropy(states.requires_grad_(), weight, target, 0.1, PAD)
+    assert not plain[0].requires_grad
+    fused = smoothed_cross_entropy(states, weight, target, 0.1, PAD)
+    assert fused[0].requires_grad
+    torch.testing.assert_close(plain, tuple(t.detach() for t in fused))
 
 
 def test_padding_changes_nothing():
-    logits, target = logits_and_target()
+    states, weight, target = states_weight_and_target()
     keep = target != PAD
-    full = logits.clone().requires_grad_()
-    compact = logits[keep].clone().requires_grad_()
-    loss_full, nll_full = smoothed_cross_entropy(full, target, 0.1, PAD)
-    loss_compact, nll_compact = smoothed_cross_entropy(compact, target[keep], 0.1, PAD)
+    full = states.clone().requires_grad_()
+    compact = states[keep].clone().requires_grad_()
+    loss_full, nll_full = smoothed_cross_entropy(full, weight, target, 0.1, PAD)
+    loss_compact, nll_compact = smoothed_cross_entropy(compact, weight, target[keep], 0.1, PAD)
     torch.testing.assert_close(loss_full, loss_compact)
     torch.testing.assert_close(nll_full, nll_compact)
     loss_full.backward()
@@ -97,28 +128,36 @@ def test_padding_changes_nothing():
 
 
 def test_chunking_gives_the_same_sums_and_gradients(monkeypatch):
-    logits, target = logits_and_target(n=23)
-    whole = logits.clone().requires_grad_()
-    loss_whole, _ = smoothed_cross_entropy(whole, target, 0.1, PAD)
+    states, weight, target = states_weight_and_target(n=23)
+    target[[12, 21]] = PAD
+    whole = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
+    loss_whole, _ = smoothed_cross_entropy(*whole, target, 0.1, PAD)
     loss_whole.backward()
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 4)
-    chunked = logits.clone().requires_grad_()
-    loss_chunked, _ = smoothed_cross_entropy(chunked, target, 0.1, PAD)
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 4)  # 6 chunks, the last one of 3 rows
+    chunked = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
+    loss_chunked, _ = smoothed_cross_entropy(*chunked, target, 0.1, PAD)
     loss_chunked.backward()
     torch.testing.assert_close(loss_chunked, loss_whole)
-    torch.testing.assert_close(chunked.grad, whole.grad)
+    for ours, reference in zip(chunked, whole):
+        torch.testing.assert_close(ours.grad, reference.grad)
 
 
-def test_bf16_logits_keep_their_dtype_and_are_summed_in_float32():
-    logits, target = logits_and_target(dtype=torch.bfloat16)
-    logits.requires_grad_()
-    loss, _ = smoothed_cross_entropy(logits, target, 0.1, PAD)
-    assert loss.dtype == torch.float32
-    torch.testing.assert_close(
-        loss.double(), explicit_loss(logits.detach(), target, 0.1), rtol=1e-5, atol=1e-4
-    )
+def test_under_bf16_autocast_products_are_bf16_and_sums_float32():
+    """As the unfused reference under autocast: bf16 logits, float32 loss, float32 parameter grads."""
+    states, weight, target = states_weight_and_target(n=40, vocab=300, d=16, dtype=torch.float32)
+    ours = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
+    reference = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = smoothed_cross_entropy(*ours, target, 0.1, PAD)
+        logits = F.linear(*reference)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    expected = explicit_loss(logits.float(), target, 0.1)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-4)
     loss.backward()
-    assert logits.grad.dtype == torch.bfloat16
+    expected.backward()
+    for t, r in zip(ours, reference):
+        assert t.grad.dtype == torch.float32
+        torch.testing.assert_close(t.grad, r.grad, rtol=0.02, atol=0.02 * r.grad.abs().max().item())
 
 
 def test_seq2seq_loss_is_cross_entropy_of_the_model_logits():
@@ -139,3 +178,18 @@ def test_seq2seq_loss_is_cross_entropy_of_the_model_logits():
         nll, F.cross_entropy(logits, tgt_out.reshape(-1), ignore_index=PAD, reduction="sum")
     )
     assert math.isfinite(loss.item())
+
+
+def test_no_vocabulary_sized_activation_is_kept_for_backward():
+    """What autograd keeps from the forward pass: nothing with a row per target token and a column
+    per vocabulary entry (the logits, their softmax or gradient)."""
+    cfg = ModelConfig(vocab_size=101, d_model=16, n_heads=2, d_ff=32, n_layers=1, dropout=0.1)
+    objective = Seq2SeqLoss(Transformer(cfg), 0.1)
+    src, tgt = torch.randint(4, 101, (3, 7)), torch.randint(4, 101, (3, 6))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        loss, _ = objective(src, tgt, tgt)
+    assert saved and (3 * 6, 16) in saved  # the gradient of the states is kept
+    assert not [shape for shape in saved if shape[-1] == 101 and shape.numel() >= 3 * 6 * 101]
+    loss.backward()
+    assert objective.model.embed.weight.grad.abs().sum() > 0

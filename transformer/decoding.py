@@ -23,7 +23,7 @@ possible". The details it leaves open follow tensor2tensor, the paper's own code
 Each step feeds one token per hypothesis through `Transformer.decode_step` with the explicit
 `DecoderCache`; beams are reordered with `cache.select(rows, None)`: the encoder-decoder keys and
 values keep one row per sentence, shared by its beams, and are only cut when sentences finish.
-The output projection is made a vocabulary chunk at a time (`_best_next`), and on a CPU the
+On a CPU the output projection is made a vocabulary chunk at a time (`_best_next`) and the
 decoder's weights are packed for oneDNN once per search (`linear.prepacked`).
 Scores are accumulated in float32, so the model may run in bfloat16.
 """
@@ -44,7 +44,7 @@ from transformer.linear import prepacked
 from transformer.model import Transformer
 
 NEG_INF = float("-inf")
-VOCAB_CHUNK = 8192  # vocabulary entries projected at once while choosing the next tokens
+VOCAB_CHUNK = 8192  # vocabulary entries projected at once on a CPU while choosing the next tokens
 
 
 @dataclass
@@ -96,16 +96,21 @@ def _best_next(model: Transformer, states: Tensor, step: int, min_len: int, n: i
     float32 log P(y_step | y_<step, X). PAD and BOS are never generated; EOS is held back while
     step <= min_len (only benchmarks that force an output length set min_len).
 
-    The vocabulary is projected a chunk at a time, each chunk's logits used while still in cache (its
-    n best and its log-sum-exp): no (N, V) tensor is made at each step.
+    On a CPU the vocabulary is projected a chunk at a time, each chunk's logits used while still in
+    cache (its n best and its log-sum-exp): no (N, V) tensor is made at each step.
     """
+    vocab = model.embed.weight.size(0)
+    # On a GPU the whole vocabulary at once: memory is plenty, and every chunk costs kernel launches.
+    chunks = _vocab_chunks(vocab) if states.device.type == "cpu" else [(0, vocab)]
     lses, values, indices = [], [], []
-    for start, end in _vocab_chunks(model.embed.weight.size(0)):
+    for start, end in chunks:
         logits = model.project(states, start, end)  # (N, c)
         log_probs = logits.log_softmax(dim=-1, dtype=torch.float32)  # (N, c), normalized within the chunk
         if start == 0:
             log_probs[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = NEG_INF
         top, index = log_probs.topk(min(n, end - start), dim=-1)  # (N, n), best first
+        if len(chunks) == 1:
+            return top, index
         # the chunk's log-sum-exp, from its best entry (finite even where PAD and BOS are among the n)
         lse = logits.gather(1, index[:, :1]).float() - top[:, :1]  # (N, 1)
         lses.append(lse)

@@ -10,8 +10,8 @@ oneDNN multiplies by a weight copied into its own blocked layout; it copies the 
 call. Inside `prepacked(weights)`, each of those weights is copied once for the whole block: decoding
 multiplies the same weights by a few rows per step, step after step, and runs 5-45% faster GEMMs
 (more the fewer the rows).
-Everything else (CUDA, bf16, float64, torch.compile, `torch.backends.mkldnn.enabled = False`) uses
-`F.linear` unchanged.
+Everything else (CUDA, bf16, float64, CPU autocast, torch.compile,
+`torch.backends.mkldnn.enabled = False`) uses `F.linear` unchanged.
 """
 
 from __future__ import annotations
@@ -58,11 +58,12 @@ def prepacked(weights: Iterable[Tensor]) -> Iterator[None]:
 
 def _use_onednn(x: Tensor, weight: Tensor) -> bool:
     return (
-        x.device.type == "cpu"
+        not torch.compiler.is_compiling()  # inductor picks its own CPU kernels (and first: no graph break)
+        and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
-        and not torch.compiler.is_compiling()  # inductor picks its own CPU kernels
+        and not torch.is_autocast_enabled("cpu")  # autocast multiplies in bf16 (or fp16) instead
     )
 
 

@@ -9,73 +9,104 @@ Pad positions of the target contribute nothing. The sum over tokens is returned,
 training loop divides by the non-pad target tokens of the whole optimizer step (all accumulated
 batches on all ranks), so the result does not depend on how a step is split into batches.
 
-Memory: the (N, V) logits stay in the autocast dtype (bf16 on GPU); each chunk of rows is cast to
-float32 for the log-sum-exp and the gradient only while it is being worked on.
+Memory: the loss takes the final decoder states and the output projection's weight, not logits. The
+(N, V) logits, the largest activation of the model (37k floats per target token), only ever exist
+for CHUNK_ROWS rows at a time: each chunk's logits give its loss and, right away, its gradient
+dH/dz = p - q, which goes through the projection at once (into the gradients of the states and of
+the weight); backward then only scales those by the loss's incoming gradient. The same FLOPs as
+projecting, then differentiating, but no (N, V) tensor is kept from forward to backward.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor, nn
 
+from transformer.linear import linear
 from transformer.model import Transformer
 
-CHUNK_ROWS = 4096  # rows of logits cast to float32 at a time; bounds the transient float32 memory
+CHUNK_ROWS = 4096  # target tokens whose logits exist at once; bounds the loss's memory
 
 
-class _SmoothedCrossEntropy(torch.autograd.Function):
-    """Sums of the smoothed loss and of the NLL over the rows of (N, V) logits whose target != ignore."""
+def _loss_and_grads(
+    states: Tensor, weight: Tensor, target: Tensor, epsilon: float, ignore_index: int, grads: bool
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Sums of the smoothed loss and of the NLL of the logits states (N, d) @ weight (V, d)^T over the
+    rows whose target != ignore_index; with `grads`, also d(loss sum)/d states and d/d weight.
 
-    @staticmethod
-    def forward(
-        ctx, logits: Tensor, target: Tensor, epsilon: float, ignore_index: int
-    ) -> tuple[Tensor, Tensor]:
-        n, vocab = logits.shape
-        off = epsilon / (vocab - 1)  # the mass of each non-gold token
-        dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32; float64 stays
-        lse = torch.empty(n, dtype=dtype, device=logits.device)
-        loss = logits.new_zeros((), dtype=dtype)
-        nll_sum = logits.new_zeros((), dtype=dtype)
-        valid = target != ignore_index  # (N,)
+    Matrix products run in the autocast dtype where autocast is on (bf16 on GPU), sums in float32.
+    """
+    device = states.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
+    total = torch.promote_types(dtype, torch.float32)  # bf16 -> float32; float64 stays
+    n, vocab = states.size(0), weight.size(0)
+    off = epsilon / (vocab - 1)  # the mass of each non-gold token
+    loss = states.new_zeros((), dtype=total)
+    nll_sum = states.new_zeros((), dtype=total)
+    grad_states = torch.empty_like(states) if grads else None
+    grad_weight = None
+    valid = target != ignore_index  # (N,)
+    with torch.autocast(device, enabled=False) if autocast else nullcontext():  # dtypes set here
+        h, w = states.to(dtype), weight.to(dtype)
         for start in range(0, n, CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            z = logits[rows].to(dtype)  # (n_chunk, V)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            nll = lse[rows] - z.gather(-1, target[rows, None]).squeeze(-1)  # -log p_gold
-            smooth = vocab * lse[rows] - z.sum(-1)  # -sum_j log p_j
+            z = linear(h[rows], w).to(total)  # (n_chunk, V) logits
+            gold, z_sum = z.gather(-1, target[rows, None]).squeeze(-1), z.sum(-1)  # (n_chunk,) twice
+            top = z.amax(-1, keepdim=True)  # (n_chunk, 1)
+            p = z.sub_(top).exp_()  # in place: exp(z - max), the softmax up to its sum
+            p_sum = p.sum(-1, keepdim=True)  # (n_chunk, 1)
+            lse = (top + p_sum.log()).squeeze(-1)  # (n_chunk,) log sum_j exp z_j
+            nll = lse - gold  # -log p_gold
+            smooth = vocab * lse - z_sum  # -sum_j log p_j
             per_token = (1.0 - epsilon - off) * nll + off * smooth  # -sum_j q_j log p_j
             loss = loss + torch.where(valid[rows], per_token, 0.0).sum()
             nll_sum = nll_sum + torch.where(valid[rows], nll, 0.0).sum()
-        ctx.save_for_backward(logits, target, lse, valid)
-        ctx.epsilon = epsilon
+            if not grads:
+                continue
+            g = p.div_(p_sum).sub_(off)  # dH/dz = p - q, q = off everywhere but gold ...
+            g.scatter_add_(-1, target[rows, None], g.new_full((g.size(0), 1), -(1.0 - epsilon - off)))
+            g = g.mul_(valid[rows, None]).to(dtype)  # ... and pad rows get no gradient
+            grad_states[rows] = linear(g, w.t())  # dH/dh = g W: (n_chunk, d)
+            chunk_grad_weight = linear(g.t(), h[rows].t()).to(total)  # dH/dW = g^T h: (V, d)
+            grad_weight = chunk_grad_weight if grad_weight is None else grad_weight.add_(chunk_grad_weight)
+    if grads and grad_weight is None:  # no rows at all
+        grad_weight = torch.zeros_like(weight, dtype=total)
+    return loss, nll_sum, grad_states, grad_weight
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, states: Tensor, weight: Tensor, target: Tensor, epsilon: float, ignore_index: int
+    ) -> tuple[Tensor, Tensor]:
+        loss, nll_sum, grad_states, grad_weight = _loss_and_grads(
+            states, weight, target, epsilon, ignore_index, grads=True
+        )
+        ctx.save_for_backward(grad_states, grad_weight)
+        ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(nll_sum)
         return loss, nll_sum
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, None, None, None]:
-        logits, target, lse, valid = ctx.saved_tensors
-        vocab = logits.size(1)
-        off = ctx.epsilon / (vocab - 1)
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.size(0), CHUNK_ROWS):
-            rows = slice(start, start + CHUNK_ROWS)
-            p = torch.exp(logits[rows].to(lse.dtype) - lse[rows, None])  # softmax, (n_chunk, V)
-            g = p - off  # d H(q, p) / d z = p - q, with q = off everywhere but the gold column ...
-            g.scatter_add_(-1, target[rows, None], g.new_full((g.size(0), 1), -(1.0 - ctx.epsilon - off)))
-            g = g * (grad_loss * valid[rows, None])  # ... and pad rows get no gradient
-            grad[rows] = g.to(logits.dtype)
-        return grad, None, None, None
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
+        grad_states, grad_weight = ctx.saved_tensors
+        return grad_states * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
 
 
 def smoothed_cross_entropy(
-    logits: Tensor, target: Tensor, epsilon: float, ignore_index: int
+    states: Tensor, weight: Tensor, target: Tensor, epsilon: float, ignore_index: int
 ) -> tuple[Tensor, Tensor]:
-    """logits (N, V), target (N,) -> (sum of the label-smoothed loss, sum of the NLL), float32 scalars
-    (float64 for float64 logits).
+    """The label-smoothed cross-entropy of the logits states (N, d) @ weight (V, d)^T against target
+    (N,) -> (sum of the loss, sum of the NLL), float32 scalars (float64 for float64 inputs).
 
     Rows whose target is `ignore_index` are left out; the NLL sum is for logging (perplexity) only.
     """
-    return _SmoothedCrossEntropy.apply(logits, target, epsilon, ignore_index)
+    if torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad):
+        return _SmoothedCrossEntropy.apply(states, weight, target, epsilon, ignore_index)
+    return _loss_and_grads(states, weight, target, epsilon, ignore_index, grads=False)[:2]
 
 
 class Seq2SeqLoss(nn.Module):
@@ -93,5 +124,11 @@ class Seq2SeqLoss(nn.Module):
         model = self.model
         src_mask = model.src_mask(src)
         states = model.decoder_states(tgt_in, model.encode(src, src_mask), src_mask)  # (B, T, d_model)
-        logits = model.project(states.reshape(-1, states.size(-1)))  # (B * T, V)
-        return smoothed_cross_entropy(logits, tgt_out.reshape(-1), self.label_smoothing, model.cfg.pad_id)
+        # the pre-softmax projection (§3.4) happens inside the loss, a chunk of rows at a time
+        return smoothed_cross_entropy(
+            states.reshape(-1, states.size(-1)),  # (B * T, d_model)
+            model.embed.weight,  # (V, d_model)
+            tgt_out.reshape(-1),
+            self.label_smoothing,
+            model.cfg.pad_id,
+        )
