@@ -42,39 +42,44 @@ def _loss_and_grads(
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     total = torch.promote_types(dtype, torch.float32)  # bf16 -> float32; float64 stays
-    n, vocab = states.size(0), weight.size(0)
-    off = epsilon / (vocab - 1)  # the mass of each non-gold token
-    loss = states.new_zeros((), dtype=total)
-    nll_sum = states.new_zeros((), dtype=total)
+    loss = nll_sum = states.new_zeros((), dtype=total)
     grad_states = torch.empty_like(states) if grads else None
-    grad_weight = None
+    grad_weight = torch.zeros_like(weight, dtype=total) if grads else None
     valid = target != ignore_index  # (N,)
     with torch.autocast(device, enabled=False) if autocast else nullcontext():  # dtypes set here
         h, w = states.to(dtype), weight.to(dtype)
-        for start in range(0, n, CHUNK_ROWS):
+        for start in range(0, states.size(0), CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            z = linear(h[rows], w).to(total)  # (n_chunk, V) logits
-            gold, z_sum = z.gather(-1, target[rows, None]).squeeze(-1), z.sum(-1)  # (n_chunk,) twice
-            top = z.amax(-1, keepdim=True)  # (n_chunk, 1)
-            p = z.sub_(top).exp_()  # in place: exp(z - max), the softmax up to its sum
-            p_sum = p.sum(-1, keepdim=True)  # (n_chunk, 1)
-            lse = (top + p_sum.log()).squeeze(-1)  # (n_chunk,) log sum_j exp z_j
-            nll = lse - gold  # -log p_gold
-            smooth = vocab * lse - z_sum  # -sum_j log p_j
-            per_token = (1.0 - epsilon - off) * nll + off * smooth  # -sum_j q_j log p_j
-            loss = loss + torch.where(valid[rows], per_token, 0.0).sum()
-            nll_sum = nll_sum + torch.where(valid[rows], nll, 0.0).sum()
-            if not grads:
-                continue
-            g = p.div_(p_sum).sub_(off)  # dH/dz = p - q, q = off everywhere but gold ...
-            g.scatter_add_(-1, target[rows, None], g.new_full((g.size(0), 1), -(1.0 - epsilon - off)))
-            g = g.mul_(valid[rows, None]).to(dtype)  # ... and pad rows get no gradient
-            grad_states[rows] = linear(g, w.t())  # dH/dh = g W: (n_chunk, d)
-            chunk_grad_weight = linear(g.t(), h[rows].t()).to(total)  # dH/dW = g^T h: (V, d)
-            grad_weight = chunk_grad_weight if grad_weight is None else grad_weight.add_(chunk_grad_weight)
-    if grads and grad_weight is None:  # no rows at all
-        grad_weight = torch.zeros_like(weight, dtype=total)
+            chunk = _chunk(h[rows], w, target[rows], valid[rows], epsilon, total, grads)
+            loss, nll_sum = loss + chunk[0], nll_sum + chunk[1]
+            if grads:
+                grad_states[rows] = chunk[2]
+                grad_weight += chunk[3]
     return loss, nll_sum, grad_states, grad_weight
+
+
+def _chunk(
+    h: Tensor, w: Tensor, target: Tensor, valid: Tensor, epsilon: float, total: torch.dtype, grads: bool
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """`_loss_and_grads` for one chunk of rows h (n, d); its (n, V) tensors are freed on return."""
+    vocab = w.size(0)
+    off = epsilon / (vocab - 1)  # the mass of each non-gold token
+    z = linear(h, w).to(total)  # (n, V) logits
+    gold, z_sum = z.gather(-1, target[:, None]).squeeze(-1), z.sum(-1)  # (n,) twice
+    top = z.amax(-1, keepdim=True)  # (n, 1)
+    p = z.sub_(top).exp_()  # in place: exp(z - max), the softmax up to its sum
+    p_sum = p.sum(-1, keepdim=True)  # (n, 1)
+    lse = (top + p_sum.log()).squeeze(-1)  # (n,) log sum_j exp z_j
+    nll = lse - gold  # -log p_gold
+    smooth = vocab * lse - z_sum  # -sum_j log p_j
+    per_token = (1.0 - epsilon - off) * nll + off * smooth  # -sum_j q_j log p_j
+    loss, nll_sum = torch.where(valid, per_token, 0.0).sum(), torch.where(valid, nll, 0.0).sum()
+    if not grads:
+        return loss, nll_sum, None, None
+    g = p.div_(p_sum).sub_(off)  # dH/dz = p - q, q = off everywhere but gold ...
+    g.scatter_add_(-1, target[:, None], g.new_full((g.size(0), 1), -(1.0 - epsilon - off)))
+    g = g.mul_(valid[:, None]).to(h.dtype)  # ... and pad rows get no gradient
+    return loss, nll_sum, linear(g, w.t()), linear(g.t(), h.t())  # dH/dh = g W (n, d); dH/dW = g^T h (V, d)
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
