@@ -193,3 +193,52 @@ def test_no_vocabulary_sized_activation_is_kept_for_backward():
     assert not [shape for shape in saved if shape[-1] == 101 and shape.numel() >= 3 * 6 * 101]
     loss.backward()
     assert objective.model.embed.weight.grad.abs().sum() > 0
+
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_autocast_matches_the_unfused_loss_and_cpu_float32():
+    """Two chunks of rows on the GPU under autocast: as autograd through bf16 logits (F.linear under
+    autocast, the explicit loss in float32), and the loss as on the CPU in float32."""
+    _cuda_or_skip()
+    states, weight, target = states_weight_and_target(n=5000, vocab=3000, d=64, dtype=torch.float32)
+    ours = [states.cuda().requires_grad_(), weight.cuda().requires_grad_()]
+    reference = [states.cuda().requires_grad_(), weight.cuda().requires_grad_()]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _ = smoothed_cross_entropy(*ours, target.cuda(), 0.1, PAD)
+        logits = F.linear(*reference)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    expected = explicit_loss(logits.float(), target.cuda(), 0.1)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-3)
+    cpu_loss, _ = smoothed_cross_entropy(states, weight, target, 0.1, PAD)
+    torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=1e-2, atol=0.0)
+    loss.backward()
+    expected.backward()
+    for t, r in zip(ours, reference):
+        assert t.grad.dtype == torch.float32
+        torch.testing.assert_close(t.grad, r.grad, rtol=0.02, atol=0.02 * r.grad.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_objective_matches_eager():
+    _cuda_or_skip()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=501, d_model=64, n_heads=4, d_ff=128, n_layers=2, dropout=0.0)
+    eager = Seq2SeqLoss(Transformer(cfg), 0.1).cuda()
+    compiled = Seq2SeqLoss(Transformer(cfg), 0.1).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    src, tgt = torch.randint(4, 501, (8, 16), device="cuda"), torch.randint(4, 501, (8, 16), device="cuda")
+    tgt[1, 9:] = PAD
+    losses = []
+    for module in (eager, torch.compile(compiled, dynamic=False)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = module(src, tgt, tgt)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=0.0)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0.05, atol=0.02 * p.grad.abs().max().item(), msg=name)
