@@ -263,3 +263,45 @@ def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path, monkeyp
         TrainingError, match=r"batch of src \(\d+, \d+\).*lower trainer.max_tokens \(now 500\)"
     ):
         train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=2")))
+
+
+def test_compiled_training_compiles_once_for_all_batch_shapes_and_matches_eager(
+    corpus, tmp_path, monkeypatch, caplog
+):
+    """trainer.compile=true: batches of many (B, S, T) shapes run through one compiled graph for training
+    and one for validation, and the run ends where the eager run does (dropout off: the same math)."""
+    from torch._dynamo.utils import counters
+
+    from transformer.training import loop
+
+    shapes = set()
+    real = loop._forward_backward
+
+    def recording(objective, batch, *args):
+        shapes.add((tuple(batch.src.shape), tuple(batch.tgt_in.shape)))
+        return real(objective, batch, *args)
+
+    monkeypatch.setattr(loop, "_forward_backward", recording)
+    args = ["trainer.max_steps=4", "trainer.eval_every_steps=4", "model.dropout=0"]
+    valid, weights = {}, {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            train(
+                compose_config(
+                    overrides(corpus, tmp_path / str(compiled), *args, f"trainer.compile={compiled}")
+                )
+            )
+        valid[compiled] = [
+            float(m.split("valid loss ")[1].split(",")[0]) for m in caplog.messages if "valid loss" in m
+        ]
+        weights[compiled] = load_checkpoint(tmp_path / str(compiled) / "checkpoints" / "checkpoint_4.pt")[
+            "model"
+        ]
+    assert len(shapes) >= 4  # distinct batch shapes
+    assert 2 <= counters["stats"]["unique_graphs"] <= 3  # training, validation (+ at most one specialization)
+    assert valid[True] and valid[True] == pytest.approx(valid[False], rel=1e-3)
+    for name, value in weights[False].items():
+        torch.testing.assert_close(weights[True][name], value, rtol=0, atol=1e-2, msg=name)

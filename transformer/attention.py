@@ -209,6 +209,7 @@ class MultiHeadAttention(nn.Module):
         key_mask: (B, T_k) bool, True = a real token (keys at False are never attended to).
         past: decoder self-attention cache; the new keys/values are appended and the grown KV returned.
         """
+        cached = 0  # keys of earlier decoding steps, before those of these queries
         if self.kind == "cross":
             q = self._heads(self.w_q(x), self.n_heads)  # (B, H, T_q, d_k)
             kv = past if past is not None else self.project_kv(memory)
@@ -217,11 +218,12 @@ class MultiHeadAttention(nn.Module):
             q = self._heads(q, self.n_heads)  # (B, H, T_q, d_k)
             kv = KV(self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads))  # (B, H_kv, T, d)
             if past is not None:
+                cached = past.length
                 kv = past.append(kv.k, kv.v)
         if kv.k.size(0) != q.size(0):  # beam search: the beams of a sentence share its cross K/V
             out = self._attend_beams(q, kv, key_mask)  # (B, H, T_q, d_v)
         else:
-            out = self._attend(q, kv, key_mask)  # (B, H, T_q, d_v)
+            out = self._attend(q, kv, key_mask, cached)  # (B, H, T_q, d_v)
         b, _, t_q, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t_q, self.n_heads * self.d_v)  # (B, T_q, H * d_v)
         keep = self.kind == "cross" or past is not None
@@ -236,15 +238,19 @@ class MultiHeadAttention(nn.Module):
         out = self._attend(q, kv, key_mask)  # (N, H, k * T_q, d_v)
         return out.view(n, h, k, t_q, -1).transpose(1, 2).reshape(nk, h, t_q, -1)  # (N * k, H, T_q, d_v)
 
-    def _attend(self, q: Tensor, kv: KV, key_mask: Tensor | None) -> Tensor:
-        t_q, t_k = q.size(2), kv.k.size(2)
+    def _attend(self, q: Tensor, kv: KV, key_mask: Tensor | None, cached: int = 0) -> Tensor:
+        """q (B, H, T_q, d_k) over kv; `cached` of the T_k keys come before the queries' positions.
+
+        Only Python values decide the path (sizes may be symbolic under torch.compile's dynamic shapes).
+        """
         causal = self.kind == "decoder_self"
         p = self.dropout if self.training else 0.0
         mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, T_k)
         # A CPU decoding step (a few queries per row, no gradient) is faster written out than through
         # the fused kernel, whose fixed cost per (row, head) dominates at these sizes.
-        few_queries = q.device.type == "cpu" and t_q <= FEW_QUERIES and not torch.is_grad_enabled()
-        if _recorder is not None or few_queries or (causal and t_q > 1 and t_q != t_k):
+        few_queries = not torch.is_grad_enabled() and q.device.type == "cpu" and q.size(2) <= FEW_QUERIES
+        if _recorder is not None or few_queries or (causal and cached > 0 and q.size(2) > 1):
+            t_q, t_k = q.size(2), kv.k.size(2)
             if causal and t_q > 1:
                 cm = causal_mask(t_q, t_k, q.device)
                 mask = cm if mask is None else mask & cm
@@ -255,13 +261,14 @@ class MultiHeadAttention(nn.Module):
             if _recorder is not None:
                 _recorder.append(AttentionRecord(self.kind, self.layer, weights.detach()))
             return out
-        is_causal = causal and t_q > 1  # a single new query may see every cached key
+        # Without earlier keys the queries and keys are the same positions: causal. One new query
+        # after earlier keys may see them all.
         return F.scaled_dot_product_attention(
             q,
             kv.k,
             kv.v,
             attn_mask=mask,
             dropout_p=p,
-            is_causal=is_causal,
+            is_causal=causal and cached == 0,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )

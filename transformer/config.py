@@ -181,7 +181,7 @@ class TrainerConfig:
     max_steps: int = 100000  # optimizer steps (base: 100k, big: 300k)
     tokens_per_step: int = 25000  # target tokens per optimizer step (§5.2: ~25k source + ~25k target)
     max_tokens: int = 4096  # padded tokens per batch per rank; accumulation makes up the rest
-    pad_to_multiple: int = 8  # pad batch lengths so shapes repeat (fewer recompiles, aligned matmuls)
+    pad_to_multiple: int = 8  # pad batch lengths to a multiple of this (aligned matmuls)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     compile: bool = False

@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 from transformer.config import ConfigError, TrainerConfig
 
 PREPARE_TIMEOUT = timedelta(hours=12)  # rank 0 may spend hours preparing WMT14 while the others wait
-COMPILE_CACHE_SIZE = 256  # compiled shapes per function (default 8); padding to pad_to_multiple bounds them
 
 
 @dataclass
@@ -92,11 +91,9 @@ def wrap(module: nn.Module, runtime: Runtime, compile: bool) -> nn.Module:
     """to(device) -> torch.compile -> DDP, in that order; the caller keeps the unwrapped module."""
     module = module.to(runtime.device)
     if compile:
-        # Static shapes: batch lengths are padded to trainer.pad_to_multiple, so the number of distinct
-        # shapes (and of recompiles) is bounded; past the cache size new shapes run uncompiled.
-        torch._dynamo.config.recompile_limit = COMPILE_CACHE_SIZE  # formerly cache_size_limit
-        torch._dynamo.config.accumulated_recompile_limit = COMPILE_CACHE_SIZE * 4
-        module = torch.compile(module, dynamic=False)
+        # Dynamic shapes: one compilation serves every batch size and length. Static ones would
+        # compile anew for each of the ~170 (B, S, T) shapes of a WMT epoch, tens of seconds each.
+        module = torch.compile(module, dynamic=True)
     if runtime.distributed:
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         # The model has no running statistics: its only buffer (the sinusoid table) needs no broadcast.

@@ -48,8 +48,10 @@ def _loss_and_grads(
     valid = target != ignore_index  # (N,)
     with torch.autocast(device, enabled=False) if autocast else nullcontext():  # dtypes set here
         h, w = states.to(dtype), weight.to(dtype)
-        for start in range(0, states.size(0), CHUNK_ROWS):
-            rows = slice(start, start + CHUNK_ROWS)
+        # a loop over the number of chunks, not over row offsets: under torch.compile with dynamic
+        # shapes that recompiles when the count changes, not at every new number of rows
+        for i in range(-(-states.size(0) // CHUNK_ROWS)):
+            rows = slice(i * CHUNK_ROWS, (i + 1) * CHUNK_ROWS)
             chunk = _chunk(h[rows], w, target[rows], valid[rows], epsilon, total, grads)
             loss, nll_sum = loss + chunk[0], nll_sum + chunk[1]
             if grads:
