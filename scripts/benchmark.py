@@ -12,7 +12,8 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
           nn.Transformer  torch.nn.Transformer + one shared embedding (x sqrt(d_model)), sinusoidal
                           positions and the tied output projection (§3.4-3.5),
           Marian (HF)     Hugging Face MarianMTModel built from a MarianConfig of the same dims (sdpa),
-        each eager and under torch.compile (`--no-compile` skips compiling). Reported: target tokens/s
+        each eager and under torch.compile (ours with dynamic shapes, as training compiles it; the peers
+        with static shapes; `--no-compile` skips compiling). Reported: target tokens/s
         (median of `--steps` steps, the models interleaved step by step so a busy machine slows all
         alike), FLOPs counted by torch.utils.flop_counter on one eager step, model FLOP utilisation
         against a matmul peak measured in this run (bf16 on CUDA, fp32 on the CPU), the step's peak
@@ -472,11 +473,15 @@ def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: in
         module = builders[name](cfg, setup.label_smoothing).to(setup.device).train()
         optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
         trainees.append(Trainee(name, "eager", module, module, optimizer))
-        if compile:  # static shapes, as the project's training wraps its objective
-            trainees.append(
-                Trainee(name, "compiled", torch.compile(module, dynamic=False), module, optimizer)
-            )
+        if compile:
+            trainees.append(Trainee(name, "compiled", compiled(name, module), module, optimizer))
     return trainees
+
+
+def compiled(name: str, module: nn.Module) -> nn.Module:
+    """Ours as `trainer.compile=true` compiles it (dynamic shapes: one graph for every batch shape);
+    the peers with static shapes, their fastest at one fixed shape."""
+    return torch.compile(module, dynamic=name == "ours")
 
 
 def train_step(trainee: Trainee, batch: Batch, setup: Setup) -> None:
@@ -636,7 +641,7 @@ def meta_step_flops(cfg: ModelConfig, batch: int, length: int) -> int:
 def bench_big(setup: Setup, batch: Batch, args: argparse.Namespace) -> float:
     """Target tokens/s of the big model (compiled), at the fixed shape."""
     [trainee] = build_trainees(BIG, ["ours"], setup, args.seed, compile=False)
-    trainee = replace(trainee, mode="compiled", run=torch.compile(trainee.module, dynamic=False))
+    trainee = replace(trainee, mode="compiled", run=compiled("ours", trainee.module))
     first_steps([trainee], batch, setup, args.warmup)
     times = interleave(
         {0: lambda _: train_step(trainee, batch, setup)}, args.steps, setup.device, "big steps"
