@@ -7,6 +7,7 @@ of output tokens from every decoder, padding fractions that are fractions, prepa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -91,3 +92,46 @@ def test_compiled_models_and_the_big_model(tmp_path):
     report = run_benchmark(tmp_path, "--sections", "train", "--peers", "torch", "--big")
     check_train(report["train"], {"ours", "nn.Transformer"}, {"eager", "compiled"})
     assert report["train"]["big_tokens_per_s"] > 0
+
+
+def test_targets_are_the_goals_of_the_device(monkeypatch):
+    """On CUDA: vs the compiled nn.Transformer (2x), the peak memory with weights and Adam (<= 10 GiB) and
+    beam 4 vs Hugging Face (5x); on a CPU: vs nn.Transformer in its fastest mode (1.3x), beam 4 vs
+    CTranslate2 (1.2x) and Hugging Face (2x)."""
+    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "benchmark", benchmark)  # its dataclasses look themselves up there
+    spec.loader.exec_module(benchmark)
+
+    def row(model, mode, tokens_per_s, total_mib):
+        return {"model": model, "mode": mode, "tokens_per_s": tokens_per_s, "peak_total_mib": total_mib}
+
+    fixed = [
+        row("ours", "eager", 900.0, 9000.0),
+        row("ours", "compiled", 1000.0, 11000.0),
+        row("nn.Transformer", "eager", 520.0, 20000.0),
+        row("nn.Transformer", "compiled", 480.0, 21000.0),
+    ]
+    beam = [
+        {"decoder": "CTranslate2 float16", "ours_over_this": 1.1},
+        {"decoder": "HF generate", "ours_over_this": 4.0},
+    ]
+    report = {
+        "train": {"fixed": fixed, "shape": {"target_tokens": 24576}},
+        "decode": {"beam4": {"rows": beam}},
+    }
+
+    cuda = {t["goal"]: t for t in benchmark.targets({**report, "meta": {"device": "cuda"}})}
+    train = cuda["train step, ours (compiled) vs nn.Transformer (compiled)"]
+    assert (train["ratio"], train["target"], train["met"]) == (1000 / 480, 2.0, True)
+    memory = cuda["train step peak memory, ours (compiled), 24,576 target tokens"]
+    assert (memory["gib"], memory["target"], memory["met"]) == (11000 / 1024, 10.0, False)
+    assert (cuda["beam 4 vs HF generate"]["target"], cuda["beam 4 vs HF generate"]["met"]) == (5.0, False)
+    assert cuda["beam 4 vs CTranslate2 float16"]["met"]
+
+    cpu = {t["goal"]: t for t in benchmark.targets({**report, "meta": {"device": "cpu"}})}
+    train = cpu["train step, ours (compiled) vs nn.Transformer (eager)"]  # the peer's fastest mode
+    assert (train["ratio"], train["target"]) == (1000 / 520, 1.3)
+    assert not any("memory" in goal for goal in cpu)
+    assert (cpu["beam 4 vs HF generate"]["target"], cpu["beam 4 vs HF generate"]["met"]) == (2.0, True)
+    assert not cpu["beam 4 vs CTranslate2 float16"]["met"]  # 1.1 < 1.2
