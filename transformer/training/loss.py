@@ -42,9 +42,9 @@ def _loss_and_grads(
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     total = torch.promote_types(dtype, torch.float32)  # bf16 -> float32; float64 stays
-    loss = nll_sum = states.new_zeros((), dtype=total)
+    loss, nll_sum = states.new_zeros((), dtype=total), states.new_zeros((), dtype=total)
     grad_states = torch.empty_like(states) if grads else None
-    grad_weight = torch.zeros_like(weight, dtype=total) if grads else None
+    grad_weight = None
     valid = target != ignore_index  # (N,)
     with torch.autocast(device, enabled=False) if autocast else nullcontext():  # dtypes set here
         h, w = states.to(dtype), weight.to(dtype)
@@ -56,7 +56,9 @@ def _loss_and_grads(
             loss, nll_sum = loss + chunk[0], nll_sum + chunk[1]
             if grads:
                 grad_states[rows] = chunk[2]
-                grad_weight += chunk[3]
+                grad_weight = chunk[3].to(total) if grad_weight is None else grad_weight.add_(chunk[3])
+    if grads and grad_weight is None:  # no rows at all
+        grad_weight = torch.zeros_like(weight, dtype=total)
     return loss, nll_sum, grad_states, grad_weight
 
 
