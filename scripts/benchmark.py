@@ -28,7 +28,8 @@ decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output
         Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output tokens/s, sentences/s.
 data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at `--data-budget` tokens:
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
-        throughput of transformer.data.prepare.prepare (BPE learning + binarization), in pairs/s.
+        throughput of transformer.data.prepare.prepare (BPE learning + binarization), in pairs/s, and
+        the host time of reading one training batch of the prepared shards (ShardDataset.batch).
 
 Every model trains with fused Adam, as the training loop does. CUDA runs use bf16 autocast and TF32;
 decoding runs the models in bf16 (as translate.py does) and CTranslate2 in `--ct2-compute`. CPU runs
@@ -75,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a
 
 from transformer.config import DataConfig, ModelConfig  # noqa: E402
 from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate  # noqa: E402
+from transformer.data.dataset import ShardDataset  # noqa: E402
 from transformer.data.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 from transformer.decoding import beam_search, greedy_search  # noqa: E402
 from transformer.layers import sinusoidal_table  # noqa: E402
@@ -993,6 +995,7 @@ def bench_prepare(args: argparse.Namespace) -> dict[str, Any]:
         )
         seconds, _ = timed(lambda: prepare(cfg), torch.device("cpu"))
         meta = json.loads((Path(out) / "meta.json").read_text(encoding="utf-8"))
+        reading = bench_batch_reading(Path(out), args.data_budget)
     train = meta["splits"]["train"]
     return {
         "corpus_dir": str(args.corpus_dir),
@@ -1001,6 +1004,23 @@ def bench_prepare(args: argparse.Namespace) -> dict[str, Any]:
         "vocab_size": meta["vocab_size"],
         "seconds": seconds,
         "pairs_per_s": train["read"] / seconds,
+        "batch_reading": reading,
+    }
+
+
+def bench_batch_reading(data_dir: Path, budget: int, count: int = 100) -> dict[str, Any]:
+    """The host time the training loop spends per batch of the prepared train split at `budget` tokens:
+    reading its pairs from the shards and padding them (ShardDataset.batch), the first `count` batches."""
+    dataset = ShardDataset(data_dir, "train")
+    sampler = TokenBudgetBatchSampler(
+        dataset.src_lengths, dataset.tgt_lengths, budget, seed=0, pad_to_multiple=PAD_MULTIPLE
+    )
+    batches = [batch.tolist() for batch in sampler.epoch_batches(0)[:count]]  # as the sampler yields them
+    seconds, _ = timed(lambda: [dataset.batch(batch, PAD_MULTIPLE) for batch in batches], torch.device("cpu"))
+    return {
+        "batches": len(batches),
+        "sentences_per_batch": sum(map(len, batches)) / len(batches),
+        "ms_per_batch": 1e3 * seconds / len(batches),
     }
 
 
@@ -1132,6 +1152,12 @@ def print_data(data: dict[str, Any]) -> None:
         print(
             f"data: prepare() on {p['corpus_dir']}: {p['pairs_read']:,} pairs ({p['pairs_kept']:,} kept), "
             f"BPE {p['vocab_size']:,}: {p['seconds']:.1f} s = {p['pairs_per_s']:,.0f} pairs/s"
+        )
+        r = p["batch_reading"]
+        print(
+            f"data: reading a training batch of the prepared corpus (ShardDataset.batch, budget "
+            f"{data['budget_tokens']:,} tokens, {r['sentences_per_batch']:.0f} sentences, first "
+            f"{r['batches']} batches): {r['ms_per_batch']:.2f} ms"
         )
 
 

@@ -80,6 +80,8 @@ def test_every_section_at_tiny_sizes(tmp_path):
     assert data["batches"] > 0 and data["construct_s"] >= 0 and data["epoch_batches_s"] > 0
     assert all(0 <= f < 1 for f in data["padding_fraction"].values() if f is not None)
     assert data["prepare"]["pairs_read"] == 300 and data["prepare"]["pairs_per_s"] > 0
+    reading = data["prepare"]["batch_reading"]
+    assert reading["batches"] > 0 and reading["sentences_per_batch"] > 0 and reading["ms_per_batch"] > 0
     goals = {t["goal"]: t for t in report["targets"]}
     train = {r["model"]: r["tokens_per_s"] for r in report["train"]["fixed"]}  # eager only here
     ratio = goals["train step, ours (eager) vs nn.Transformer (eager)"]["ratio"]

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from transformer.config import ConfigError, DataConfig, ToyConfig
 from transformer.data import binarize
 from transformer.data import prepare as prepare_module
+from transformer.data.batching import collate
 from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import prepare
 from transformer.data.sources import DataError
@@ -148,6 +150,16 @@ def test_local_corpus_end_to_end(tmp_path):
         assert shard_content(out, role) == reference_pairs(raw[name], tokenizer, None)[0]
     assert ShardDataset(out, "valid")[4][0].size == 0  # an empty valid line stays, as an empty sequence
     assert tokenizer.decode(ShardDataset(out, "train")[0][1]) == raw["train"][0][1]
+
+    # Batches read from the shards at once: the pairs above, padded one by one by collate.
+    valid = reference_pairs(raw["dev"], tokenizer, None)[0]
+    rng = np.random.default_rng(0)
+    for indices in ([4], [4, 0, 4], rng.integers(0, len(valid), 50)):  # with the empty source, repeats
+        for multiple in (1, 8):
+            batch = ShardDataset(out, "valid").batch(indices, multiple)
+            expected = collate([(np.array(valid[i][0]), np.array(valid[i][1])) for i in indices], multiple)
+            assert all(torch.equal(a, b) for a, b in zip(batch[:3], expected[:3]))
+            assert batch[3:] == expected[3:]
 
 
 def test_parallel_encoding_matches_serial(tmp_path, monkeypatch):
@@ -409,6 +421,8 @@ def test_shard_dataset_errors_and_pickling(tmp_path):
     dataset = ShardDataset(out, "train")
     with pytest.raises(IndexError):
         dataset[len(dataset)]
+    with pytest.raises(IndexError, match="out of range"):
+        dataset.batch([0, len(dataset)])
     clone = pickle.loads(pickle.dumps(dataset))  # as DataLoader workers receive it
     assert all(np.array_equal(a, b) for i in range(len(dataset)) for a, b in zip(dataset[i], clone[i]))
     assert np.array_equal(dataset.src_lengths, [len(dataset[i][0]) for i in range(len(dataset))])

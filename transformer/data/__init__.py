@@ -4,8 +4,8 @@
   tokenizer.py  the shared SentencePiece BPE vocabulary, with fixed special ids
   binarize.py   encode text into token shards, in parallel worker processes
   prepare.py    prepare(cfg): the whole pipeline into one directory, resumable
-  dataset.py    ShardDataset: a prepared split, memory-mapped
-  batching.py   token-budget batches (TokenBudgetBatchSampler) and padding (collate)
+  dataset.py    ShardDataset: a prepared split, memory-mapped; a batch read with one gather per side
+  batching.py   token-budget batches (TokenBudgetBatchSampler) and padding (collate, pad_batch)
   toy.py        the synthetic English-German corpus
 
 The package imports nothing itself, so worker processes that only encode text stay light.

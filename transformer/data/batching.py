@@ -6,7 +6,8 @@ Each training batch contained a set of sentence pairs containing approximately 2
 greedily into the largest batches that fit the budget, and shuffles the batch order; everything is a
 function of (seed, epoch), so every rank computes the same batches and takes its own share.
 `collate` turns the pairs of one batch into padded tensors with BOS/EOS in place (§3.1: the decoder
-input is the target shifted right).
+input is the target shifted right); `pad_batch` does it for pieces given back to back, as
+`ShardDataset.batch` reads them from the shards.
 """
 
 from __future__ import annotations
@@ -190,25 +191,44 @@ class Batch(NamedTuple):
 
 def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_to_multiple: int = 1) -> Batch:
     """Pad (src_ids, tgt_ids) pairs of piece ids into a `Batch`; lengths round up to `pad_to_multiple`."""
-    src_lengths = np.array([len(src) for src, _ in pairs]) + 1  # + EOS
-    tgt_lengths = np.array([len(tgt) for _, tgt in pairs]) + 1  # + BOS or EOS
-    shape_src = (len(pairs), int(_round_up(src_lengths.max(), pad_to_multiple)))
-    shape_tgt = (len(pairs), int(_round_up(tgt_lengths.max(), pad_to_multiple)))
-    src = np.full(shape_src, PAD_ID, dtype=np.int64)
-    tgt_in = np.full(shape_tgt, PAD_ID, dtype=np.int64)
-    tgt_out = np.full(shape_tgt, PAD_ID, dtype=np.int64)
-    for row, (src_ids, tgt_ids) in enumerate(pairs):
-        n_src, n_tgt = len(src_ids), len(tgt_ids)
-        src[row, :n_src] = src_ids
-        src[row, n_src] = EOS_ID
-        tgt_in[row, 0] = BOS_ID
-        tgt_in[row, 1 : n_tgt + 1] = tgt_ids
-        tgt_out[row, :n_tgt] = tgt_ids
-        tgt_out[row, n_tgt] = EOS_ID
+    src_lengths = np.array([len(src) for src, _ in pairs], dtype=np.int64)
+    tgt_lengths = np.array([len(tgt) for _, tgt in pairs], dtype=np.int64)
+    src_ids = np.concatenate([src for src, _ in pairs])
+    tgt_ids = np.concatenate([tgt for _, tgt in pairs])
+    return pad_batch(src_ids, src_lengths, tgt_ids, tgt_lengths, pad_to_multiple)
+
+
+def pad_batch(
+    src_ids: np.ndarray,
+    src_lengths: np.ndarray,
+    tgt_ids: np.ndarray,
+    tgt_lengths: np.ndarray,
+    pad_to_multiple: int = 1,
+) -> Batch:
+    """The `Batch` of B pairs given as their pieces back to back: src_ids (sum of src_lengths,) and
+    tgt_ids (sum of tgt_lengths,), pair after pair; src_lengths, tgt_lengths (B,).
+
+    A handful of whole-array operations, whatever B: a boolean mask's True entries are visited row by
+    row, in the order the pieces come.
+    """
+    b = len(src_lengths)
+    rows = np.arange(b)
+    width_src = int(_round_up(src_lengths.max() + 1, pad_to_multiple))  # + EOS
+    width_tgt = int(_round_up(tgt_lengths.max() + 1, pad_to_multiple))  # + BOS or EOS
+    columns_src, columns_tgt = np.arange(width_src), np.arange(width_tgt)
+    src = np.full((b, width_src), PAD_ID, dtype=np.int64)
+    src[columns_src < src_lengths[:, None]] = src_ids
+    src[rows, src_lengths] = EOS_ID
+    tgt_in = np.full((b, width_tgt), PAD_ID, dtype=np.int64)
+    tgt_in[:, 0] = BOS_ID
+    tgt_in[(columns_tgt >= 1) & (columns_tgt <= tgt_lengths[:, None])] = tgt_ids  # shifted right
+    tgt_out = np.full((b, width_tgt), PAD_ID, dtype=np.int64)
+    tgt_out[columns_tgt < tgt_lengths[:, None]] = tgt_ids
+    tgt_out[rows, tgt_lengths] = EOS_ID
     return Batch(
         torch.from_numpy(src),
         torch.from_numpy(tgt_in),
         torch.from_numpy(tgt_out),
-        n_src_tokens=int(src_lengths.sum()),
-        n_tgt_tokens=int(tgt_lengths.sum()),
+        n_src_tokens=int(src_lengths.sum()) + b,
+        n_tgt_tokens=int(tgt_lengths.sum()) + b,
     )

@@ -7,12 +7,14 @@ The .bin files are memory-mapped, never loaded: a 4.5M-pair WMT14 training set c
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from transformer.config import ConfigError
+from transformer.data.batching import Batch, pad_batch
 from transformer.data.binarize import shard_files
 
 _PREPARE_HINT = "prepare it with: python scripts/prepare_data.py data=<corpus> data.dir={dir}"
@@ -89,3 +91,23 @@ class ShardDataset:
         src = src_ids[self._src_offsets[index] : self._src_offsets[index + 1]]
         tgt = tgt_ids[self._tgt_offsets[index] : self._tgt_offsets[index + 1]]
         return np.asarray(src), np.asarray(tgt)
+
+    def batch(self, indices: Sequence[int] | np.ndarray, pad_to_multiple: int = 1) -> Batch:
+        """The pairs at `indices` as `collate` pads them, read with one gather per side: a training
+        step's ~700 pairs take well under a millisecond instead of a few (two slices per pair)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and not (0 <= indices.min() and indices.max() < len(self)):
+            raise IndexError(f"indices out of range for {len(self)} pairs")
+        src_ids, tgt_ids = self._open()
+        src, src_lengths = _gather(src_ids, self._src_offsets, indices)
+        tgt, tgt_lengths = _gather(tgt_ids, self._tgt_offsets, indices)
+        return pad_batch(src, src_lengths, tgt, tgt_lengths, pad_to_multiple)
+
+
+def _gather(ids: np.ndarray, offsets: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences at `indices` back to back, and their lengths; i is ids[offsets[i]:offsets[i + 1]]."""
+    starts, lengths = offsets[indices], offsets[indices + 1] - offsets[indices]
+    # position j of the output reads ids[start of its sequence + (j - where its sequence begins)]
+    begins = np.cumsum(lengths) - lengths
+    positions = np.arange(int(lengths.sum())) + np.repeat(starts - begins, lengths)
+    return np.asarray(ids[positions]), lengths

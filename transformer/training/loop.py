@@ -33,7 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.config import ConfigError, OptimConfig, TrainConfig, TrainerConfig, to_dict
-from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate
+from transformer.data.batching import Batch, TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import SPM_FILE, prepare
 from transformer.model import Transformer
@@ -287,7 +287,7 @@ def _batches_forever(sampler: TokenBudgetBatchSampler, dataset: ShardDataset, pa
     """Batches in the sampler's order, epoch after epoch; the sampler's position counts those taken."""
     while True:
         for indices in sampler:
-            yield collate([dataset[i] for i in indices], pad)
+            yield dataset.batch(indices, pad)
 
 
 def _valid_batches(
@@ -306,7 +306,7 @@ def _valid_batches(
         world_size=runtime.world_size,
         pad_to_multiple=t.pad_to_multiple,
     )
-    return [collate([valid[i] for i in batch], t.pad_to_multiple) for batch in sampler.epoch_batches(0)]
+    return [valid.batch(batch, t.pad_to_multiple) for batch in sampler.epoch_batches(0)]
 
 
 def _train_step(
