@@ -105,10 +105,13 @@ class Monitor:
         self._sums["steps"] = self._sums.get("steps", 0.0) + 1
         if not self.enabled:
             return
-        self.bar.update(1)
         self.bar.set_postfix(
-            loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}", tok_s=f"{stats['tokens'] / seconds:,.0f}"
+            loss=f"{stats['loss']:.3f}",
+            lr=f"{stats['lr']:.2e}",
+            tok_s=f"{stats['tokens'] / seconds:,.0f}",
+            refresh=False,  # update() redraws at the bar's own pace (mininterval), not at every step
         )
+        self.bar.update(1)
         if step % self.every == 0:
             self._flush(step)
 
