@@ -12,7 +12,8 @@ onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="Py
 @onednn
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24)])
+# 80 rows (the last shape) are enough for weight_grad's other order of the product
+@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24), (2, 40, 24)])
 def test_forward_and_gradients_match_float64_math(shape, bias, relu):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, requires_grad=True)
@@ -33,6 +34,7 @@ def test_forward_and_gradients_match_float64_math(shape, bias, relu):
     torch.testing.assert_close(x.grad.double(), gy64 @ w64, rtol=1e-5, atol=1e-5)  # dL/dx = dL/dy W
     gy2, x2 = gy64.reshape(-1, 40), x64.reshape(-1, 24)
     torch.testing.assert_close(w.grad.double(), gy2.T @ x2, rtol=1e-5, atol=1e-5)  # dL/dW = dL/dy^T x
+    assert w.grad.is_contiguous()
     if bias:
         torch.testing.assert_close(b.grad.double(), gy2.sum(0), rtol=1e-5, atol=1e-5)
 

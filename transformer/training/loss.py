@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
-from transformer.linear import linear
+from transformer.linear import linear, weight_grad
 from transformer.model import Transformer
 
 CHUNK_ROWS = 4096  # target tokens whose logits exist at once; bounds the loss's memory
@@ -83,7 +83,7 @@ def _chunk(
     g = p.div_(p_sum).sub_(off)  # dH/dz = p - q, q = off everywhere but gold ...
     g.scatter_add_(-1, target[:, None], g.new_full((g.size(0), 1), -(1.0 - epsilon - off)))
     g = g.mul_(valid[:, None]).to(h.dtype)  # ... and pad rows get no gradient
-    return loss, nll_sum, linear(g, w.t()), linear(g.t(), h.t())  # dH/dh = g W (n, d); dH/dW = g^T h (V, d)
+    return loss, nll_sum, linear(g, w.t()), weight_grad(g, h)  # dH/dh = g W (n, d); dH/dW = g^T h (V, d)
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
