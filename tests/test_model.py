@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from transformer.attention import MultiHeadAttention, record_attention
 from transformer.config import ConfigError, ModelConfig
-from transformer.layers import EncoderLayer, sinusoidal_table
+from transformer.layers import Dropout, EncoderLayer, sinusoidal_table
 from transformer.model import Transformer
 
 PAD = 0
@@ -193,6 +193,25 @@ def test_embedding_scale_and_dropout_free_sum():
     src, _ = batch()
     expected = model.embed.tokens(src) * math.sqrt(32) + sinusoidal_table(1024, 32)[: src.size(1)].double()
     torch.testing.assert_close(model.embed(src), expected)
+
+
+def test_dropout_zeroes_each_unit_with_probability_p_and_scales_the_rest():
+    """§5.4 P_drop: in training a unit is zeroed with probability p, independently of the others, and
+    the rest are scaled by 1 / (1 - p) (forward and backward); in evaluation it is the identity."""
+    torch.manual_seed(0)
+    p, n = 0.3, 1_000_000
+    drop = Dropout(p)
+    x = (torch.rand(1000, 1000) + 0.5).requires_grad_()  # no zeros of its own
+    y = drop(x)
+    kept = y != 0
+    tolerance = 5 * math.sqrt(p * (1 - p) / (n / 2))  # five standard deviations of a binomial fraction
+    for half in (kept[:500], kept[500:], kept[:, ::2], kept[:, 1::2]):  # the same rate everywhere
+        assert abs((~half).float().mean().item() - p) < tolerance
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    assert (kept != (drop(x) != 0)).float().mean().item() > 0.3  # a new mask at every call
+    assert torch.equal(drop.eval()(x), x) and torch.equal(Dropout(0.0)(x), x)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
