@@ -1,11 +1,13 @@
 """The model against the paper's definitions, computed independently (float64, CPU)."""
 
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from transformer import attention
 from transformer.attention import MultiHeadAttention, record_attention
 from transformer.config import ConfigError, ModelConfig
 from transformer.layers import Dropout, EncoderLayer, sinusoidal_table
@@ -48,7 +50,7 @@ def explicit_attention(x_q, x_kv, w_q, w_k, w_v, w_o, n_heads, n_kv_heads, mask)
 
 @pytest.mark.parametrize("kind", ["encoder_self", "decoder_self", "cross"])
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads):
+def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads, monkeypatch):
     torch.manual_seed(0)
     attn = MultiHeadAttention(32, 4, 8, 8, n_kv_heads, 0.0, kind).double().eval()
     attn.reset_parameters()
@@ -67,20 +69,38 @@ def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads):
         )
     expected = explicit_attention(x, kv_in, w_q, w_k, w_v, attn.w_o.weight, 4, n_kv_heads, mask)
     key_arg = None if kind == "decoder_self" else key_mask
-    fast = attn(x, memory, key_mask=key_arg)[0]
     with record_attention() as records:
         reference = attn(x, memory, key_mask=key_arg)[0]
     assert len(records) == 1 and records[0].kind == kind
-    torch.testing.assert_close(fast, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(reference, expected, rtol=1e-10, atol=1e-12)
-    with torch.no_grad():  # a few queries on a CPU at inference: the written-out path, unrecorded
+    # On a CPU: 5 or 7 keys are written out, unrecorded (also at inference: a few queries) ...
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
+            torch.testing.assert_close(attn(x, memory, key_mask=key_arg)[0], expected, rtol=1e-10, atol=1e-12)
+        assert calls == []
+    # ... and longer attention takes the fused kernel
+    monkeypatch.setattr(attention, "SHORT_KEYS", 0)
+    with sdpa_calls(monkeypatch) as calls:
         torch.testing.assert_close(attn(x, memory, key_mask=key_arg)[0], expected, rtol=1e-10, atol=1e-12)
+    assert len(calls) == 1
 
 
-def test_whole_model_sdpa_equals_reference_path():
+@contextmanager
+def sdpa_calls(monkeypatch):
+    """The calls of the fused kernel within the block."""
+    calls, fused = [], F.scaled_dot_product_attention
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+        yield calls
+
+
+def test_whole_model_sdpa_equals_reference_path(monkeypatch):
     model = tiny(n_kv_heads=2)
     src, tgt = batch()
-    fast = model(src, tgt)
+    monkeypatch.setattr(attention, "SHORT_KEYS", 0)  # the fused kernel, even for these short sequences
+    with sdpa_calls(monkeypatch) as calls:
+        fast = model(src, tgt)
+    assert len(calls) == 6  # 2 encoder and 2 x 2 decoder layers
     with record_attention() as records:
         reference = model(src, tgt)
     kinds = sorted({(r.kind, r.layer) for r in records})
