@@ -24,8 +24,10 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
         measured with `--big`, else its speed is the base speed scaled by the FLOPs counted for both.
 decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output tokens (EOS suppressed
         until then): beam 4 over `--beam-sentences` and greedy over `--greedy-sentences` for ours
-        (beam_search / greedy_search with min_len), Hugging Face `generate` and CTranslate2 (the same
-        Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output tokens/s, sentences/s.
+        (beam_search / greedy_search with min_len; on a CPU the weights packed for oneDNN once for all
+        runs, as translate.py packs them once for all batches), Hugging Face `generate` and CTranslate2
+        (the same Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output tokens/s,
+        sentences/s.
 data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at `--data-budget` tokens:
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
         throughput of transformer.data.prepare.prepare (BPE learning + binarization), in pairs/s, and
@@ -78,9 +80,9 @@ from transformer.config import DataConfig, ModelConfig  # noqa: E402
 from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate  # noqa: E402
 from transformer.data.dataset import ShardDataset  # noqa: E402
 from transformer.data.tokenizer import EOS_ID, PAD_ID  # noqa: E402
-from transformer.decoding import beam_search, greedy_search  # noqa: E402
+from transformer.decoding import beam_search, greedy_search, search_weights  # noqa: E402
 from transformer.layers import sinusoidal_table  # noqa: E402
-from transformer.linear import linear  # noqa: E402
+from transformer.linear import linear, prepacked  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
 from transformer.training.loss import Seq2SeqLoss  # noqa: E402
 
@@ -869,13 +871,17 @@ def ct2_decoder(worker: Ct2Process, new_tokens: int) -> Callable[[list[list[str]
 
 
 def build_decoders(
-    cfg: ModelConfig, setup: Setup, peers: set[str], args: argparse.Namespace, workdir: Path, notes: list[str]
+    ours: Transformer,
+    cfg: ModelConfig,
+    setup: Setup,
+    peers: set[str],
+    args: argparse.Namespace,
+    workdir: Path,
+    notes: list[str],
 ) -> dict[str, tuple[str, Callable[[Any, int], int]]]:
     """name -> (which inputs it reads, run(inputs, beam) -> output tokens). Random weights, eval mode;
     bf16 models on CUDA, as translate.py runs them."""
     cuda = setup.device.type == "cuda"
-    torch.manual_seed(args.seed)
-    ours = Transformer(cfg).eval().to(setup.device, torch.bfloat16 if cuda else torch.float32)
     decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens))}
     if "marian" not in peers:
         if "ct2" in peers:
@@ -946,9 +952,14 @@ def bench_decode_mode(
 def section_decode(
     args: argparse.Namespace, cfg: ModelConfig, setup: Setup, peers: set[str], notes: list[str]
 ) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32  # as translate.py
+    ours = Transformer(cfg).eval().to(setup.device, dtype)
     with tempfile.TemporaryDirectory() as workdir:
-        decoders = build_decoders(cfg, setup, peers, args, Path(workdir), notes)
-        with torch.inference_mode():
+        decoders = build_decoders(ours, cfg, setup, peers, args, Path(workdir), notes)
+        # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on
+        # a CPU; CTranslate2 packs its own when it loads the model)
+        with torch.inference_mode(), prepacked(search_weights(ours)):
             return {
                 "beam4": bench_decode_mode(decoders, 4, args.beam_sentences, cfg, setup, args, notes),
                 "greedy": bench_decode_mode(decoders, 1, args.greedy_sentences, cfg, setup, args, notes),
