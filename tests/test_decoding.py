@@ -68,7 +68,7 @@ class NoCacheModel:
     def encode(self, src, src_mask):
         return self.model.encode(src, src_mask)
 
-    def decode_step(self, tokens, memory, src_mask, cache=None):
+    def decode_step(self, tokens, memory, src_mask, cache=None, max_length=0):
         cache = cache if cache is not None else PrefixCache(tokens[:, :0], memory)
         prefix = torch.cat([cache.prefix, tokens], dim=1)
         beams = prefix.size(0) // cache.memory.size(0)  # beam search keeps one memory row per sentence

@@ -156,6 +156,13 @@ def test_cached_incremental_decoding_equals_full_decoder(overrides):
     prefix, cache = model.decode_step(tgt[:, :3], memory, mask)
     rest, _ = model.decode_step(tgt[:, 3:], memory, mask, cache)
     torch.testing.assert_close(model.project(torch.cat([prefix, rest], 1)), full, rtol=1e-10, atol=1e-10)
+    # Room reserved for every position at once: the same outputs, and the buffers never move.
+    cache, buffers = None, set()
+    for t in range(tgt.size(1)):
+        step, cache = model.decode_step(tgt[:, t : t + 1], memory, mask, cache, max_length=tgt.size(1))
+        torch.testing.assert_close(model.project(step)[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
+        buffers.add(cache.self_kv[0].k_buf.data_ptr())
+    assert len(buffers) == 1 and cache.self_kv[0].capacity == tgt.size(1)
 
 
 def test_cache_select_reorders_rows():

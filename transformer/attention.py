@@ -68,7 +68,8 @@ class GrowingKV:
     buffers with room for more positions.
 
     A step writes its positions in place instead of copying the whole past (torch.cat); full buffers
-    are replaced by ones twice as long. A beam reorder (`select`) is only noted, and carried out by the
+    are replaced by ones twice as long (a search reserves room for its output limit at once, so they
+    never fill). A beam reorder (`select`) is only noted, and carried out by the
     next `append`, right before that layer's attention reads the keys and values (while they are still
     in cache): one copy into a second buffer, which then swaps roles with the first. So no step
     allocates memory (on a CPU, fresh multi-megabyte tensors cost page faults). A cache is consumed by
@@ -81,11 +82,13 @@ class GrowingKV:
         v: Tensor | None = None,
         length: int = 0,
         spare: tuple[Tensor, Tensor] | None = None,
+        reserve: int = 0,
     ) -> None:
         self.k_buf, self.v_buf = k, v  # (B, H_kv, capacity, d); None before the first append
         self.length = length
         self.spare = spare  # the next reorder's buffers: (>= B, H_kv, capacity, d)
         self.rows: Tensor | None = None  # (B',) a pending reorder: row i becomes row rows[i]
+        self.reserve = reserve  # positions the first append makes room for (a search's limit L)
 
     @property
     def capacity(self) -> int:
@@ -110,7 +113,8 @@ class GrowingKV:
         cache = self._reordered()
         t, end = cache.length, cache.length + k.size(2)
         if end > cache.capacity:  # out of room: move to buffers at least twice as long
-            (b, h, _, d_k), d_v, capacity = k.shape, v.size(3), max(end, 2 * cache.capacity)
+            (b, h, _, d_k), d_v = k.shape, v.size(3)
+            capacity = max(end, 2 * cache.capacity, cache.reserve)
             grown = GrowingKV(k.new_empty(b, h, capacity, d_k), v.new_empty(b, h, capacity, d_v), t)
             if t > 0:
                 grown.k_buf[:, :, :t], grown.v_buf[:, :, :t] = cache.k, cache.v

@@ -158,7 +158,9 @@ def greedy_search(
     results, cache = _Results(n), None
     for step in range(1, int(max_len.max()) + 1):
         # after the first step the cache holds every layer's cross-attention keys and values
-        states, cache = model.decode_step(tokens[:, -1:], memory if cache is None else None, src_mask, cache)
+        states, cache = model.decode_step(
+            tokens[:, -1:], memory if cache is None else None, src_mask, cache, max_length=int(max_len.max())
+        )
         best, token = _best_next(model, states[:, -1], step, min_len, 1)  # (N, 1)
         token = token[:, 0]
         scores = scores + best[:, 0]
@@ -218,7 +220,8 @@ def beam_search(
     max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
     # Step 1 sees the same prefix [BOS] in every beam: run it once per sentence; its reorder then
     # copies each sentence's self-attention cache row into its k beams.
-    states, cache = model.decode_step(src.new_full((b, 1), BOS_ID), memory, src_mask)
+    bos = src.new_full((b, 1), BOS_ID)
+    states, cache = model.decode_step(bos, memory, src_mask, max_length=int(max_len.max()))
     beams = _Beams(
         ids=torch.arange(b, device=src.device),
         max_len=max_len,

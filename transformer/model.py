@@ -113,13 +113,14 @@ class Transformer(nn.Module):
         memory: Tensor | None,
         src_mask: Tensor,
         cache: DecoderCache | None = None,
+        max_length: int = 0,
     ) -> tuple[Tensor, DecoderCache]:
         """Incremental decoding (inference, no gradients): tokens (B, t) that follow the `cache.length`
         positions already seen.
 
         Returns the final decoder states (B, t, d_model) (`project` gives the logits) and the grown
         cache; the input cache is consumed. memory may be None once the cache holds the cross-attention
-        keys and values.
+        keys and values. A new cache makes room for `max_length` positions at once (a search's limit).
         """
         cache = cache if cache is not None else DecoderCache()
         n = len(self.decoder)
@@ -132,7 +133,7 @@ class Transformer(nn.Module):
                 # (B, H_kv, S, d) once, as every step's attention reads them
                 cross = layer.cross_attn.project_kv(memory)
                 cross = KV(cross.k.contiguous(), cross.v.contiguous())
-            past = past if past is not None else GrowingKV()
+            past = past if past is not None else GrowingKV(reserve=max_length)
             y, past, cross = layer(y, memory, src_mask, self_past=past, cross_kv=cross)
             new_self.append(past)
             new_cross.append(cross)
