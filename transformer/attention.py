@@ -69,11 +69,11 @@ class GrowingKV:
 
     A step writes its positions in place instead of copying the whole past (torch.cat); full buffers
     are replaced by ones twice as long (a search reserves room for its output limit at once, so they
-    never fill). A beam reorder (`select`) is only noted, and carried out by the
-    next `append`, right before that layer's attention reads the keys and values (while they are still
-    in cache): one copy into a second buffer, which then swaps roles with the first. So no step
-    allocates memory (on a CPU, fresh multi-megabyte tensors cost page faults). A cache is consumed by
-    the call that extends or reorders it: the cache returned reuses its buffers.
+    never fill). A beam reorder (`select`) is only noted, and carried out by the next `append`, right
+    before that layer's attention reads the keys and values (while they are still in cache): one copy
+    into a second buffer, which then swaps roles with the first. So no step allocates memory (on a
+    CPU, fresh multi-megabyte tensors cost page faults). A cache is consumed by the call that extends
+    or reorders it: the cache returned reuses its buffers.
     """
 
     def __init__(

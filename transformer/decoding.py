@@ -156,10 +156,11 @@ def greedy_search(
     tokens = src.new_full((n, 1), BOS_ID)  # (N, t + 1): BOS and the tokens so far
     scores = torch.zeros(n, device=src.device)
     results, cache = _Results(n), None
-    for step in range(1, int(max_len.max()) + 1):
+    limit = int(max_len.max())  # the longest output: the caches' room, read once
+    for step in range(1, limit + 1):
         # after the first step the cache holds every layer's cross-attention keys and values
         states, cache = model.decode_step(
-            tokens[:, -1:], memory if cache is None else None, src_mask, cache, max_length=int(max_len.max())
+            tokens[:, -1:], memory if cache is None else None, src_mask, cache, max_length=limit
         )
         best, token = _best_next(model, states[:, -1], step, min_len, 1)  # (N, 1)
         token = token[:, 0]
@@ -220,8 +221,9 @@ def beam_search(
     max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
     # Step 1 sees the same prefix [BOS] in every beam: run it once per sentence; its reorder then
     # copies each sentence's self-attention cache row into its k beams.
+    limit = int(max_len.max())  # the longest output: the caches' room, read once
     bos = src.new_full((b, 1), BOS_ID)
-    states, cache = model.decode_step(bos, memory, src_mask, max_length=int(max_len.max()))
+    states, cache = model.decode_step(bos, memory, src_mask, max_length=limit)
     beams = _Beams(
         ids=torch.arange(b, device=src.device),
         max_len=max_len,
@@ -229,13 +231,13 @@ def beam_search(
         tokens=src.new_zeros(b, 0),
         scores=torch.zeros(b, 1, device=src.device),  # one live hypothesis per sentence: [BOS]
         best=torch.full((b,), NEG_INF, device=src.device),
-        best_tokens=src.new_zeros(b, int(max_len.max())),
+        best_tokens=src.new_zeros(b, limit),
         best_len=src.new_zeros(b),
     )
     results = _Results(b)
     # Only a row's 2k best tokens can be among the 2k best candidates of its sentence.
     top = _best_next(model, states[:, -1], 1, min_len, 2 * k)  # (B, 2k) twice
-    for step in range(1, int(max_len.max()) + 1):
+    for step in range(1, limit + 1):
         beams, reorder = _advance(beams, *top, step, k, alpha)
         # Done: at the length limit, or no live hypothesis can still beat the best finished one.
         bound = beams.scores.max(dim=1).values / length_penalty(beams.max_len, alpha)  # (N,)
