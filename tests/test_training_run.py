@@ -14,6 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.config import TrainConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler
@@ -249,6 +250,67 @@ def test_nonfinite_loss_skips_the_update_and_stops_the_run_when_it_persists(
     monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls(range(1000)))
     with pytest.raises(TrainingError, match="2 non-finite updates in a row"):
         train(compose_config(args))
+
+
+class _NoDeviceReads(TorchDispatchMode):
+    """Fails on any read of a tensor's value by the host (`.item()`, `float()`, `bool()`: on a GPU, a
+    wait for the device)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func is not torch.ops.aten._local_scalar_dense.default, "a host read of a device value"
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_nothing(
+    corpus, tmp_path, monkeypatch
+):
+    """Forward, backward, gradient norm and update are queued with no host read (the one read, after
+    the next batches are prepared, is `_finish_step`'s); a non-finite step leaves the weights and
+    Adam's state bitwise as they were, and the schedule where it was."""
+    from transformer.training import loop
+    from transformer.training import loss as loss_module
+
+    real_loss, real_queue, real_finish = (
+        loss_module.smoothed_cross_entropy,
+        loop._queue_step,
+        loop._finish_step,
+    )
+    calls, before, skipped = {"loss": 0}, {}, []
+
+    def nan_on_third(*args):
+        calls["loss"] += 1
+        loss, nll = real_loss(*args)
+        return (loss * float("nan"), nll) if calls["loss"] == 3 else (loss, nll)
+
+    def queue(run, *args):
+        before["model"] = {k: v.clone() for k, v in run.model.state_dict().items()}
+        before["adam"] = {i: {k: v.clone() for k, v in s.items()} for i, s in run.optimizer.state.items()}
+        before["lr"], before["step"] = run.optimizer.param_groups[0]["lr"], run.step
+        tolist = torch.Tensor.tolist  # bypasses the dispatcher: replaced for the call
+        torch.Tensor.tolist = lambda _t: pytest.fail("a host read of a device value")
+        try:
+            with _NoDeviceReads():
+                return real_queue(run, *args)
+        finally:
+            torch.Tensor.tolist = tolist
+
+    def finish(run, *args):
+        stats = real_finish(run, *args)
+        if not stats[0]["finite"]:
+            skipped.append(run.step)
+            for name, tensor in run.model.state_dict().items():
+                assert torch.equal(tensor, before["model"][name]), name
+            for i, state in run.optimizer.state.items():
+                for key, value in state.items():
+                    assert torch.equal(value, before["adam"][i][key]), (i, key)
+            assert (run.optimizer.param_groups[0]["lr"], run.step) == (before["lr"], before["step"])
+        return stats
+
+    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_third)
+    monkeypatch.setattr(loop, "_queue_step", queue)
+    monkeypatch.setattr(loop, "_finish_step", finish)
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3", "trainer.eval_every_steps=0")))
+    assert skipped == [1]  # the second step (first batch of two) was skipped, after one finite step
 
 
 def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path, monkeypatch):

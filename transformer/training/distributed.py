@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer.config import ConfigError, TrainerConfig
@@ -108,6 +108,14 @@ def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def all_reduce_sum_tensor(tensor: Tensor, runtime: Runtime) -> Tensor:
+    """Sum a device tensor over the ranks in place, without waiting for the result; the identity for a
+    single process."""
+    if runtime.distributed:
+        dist.all_reduce(tensor)
+    return tensor
 
 
 def gather_objects(obj: object, runtime: Runtime) -> list[object]:

@@ -6,6 +6,12 @@ One optimizer step sees about `trainer.tokens_per_step` target tokens (§5.2: ~2
 sum over every non-pad target token of the step divided by their number over all batches and ranks,
 so the update does not depend on how the step is split.
 
+The host reads from the device once per step, and late: the whole step is queued first (forward,
+backward, gradient norm and the update, which the device skips by itself when the loss or the
+gradient is not finite), then the next step's batches are read and sent, and only then are the
+step's loss and gradient norm read. So a GPU is not left waiting between steps while the host runs
+the optimizer's Python and reads batches.
+
 Exact resume: a checkpoint holds the weights, Adam's moments, the schedule's step, the sampler's
 (epoch, position) and every rank's RNG states, and the loop draws nothing random that they don't cover;
 on the CPU an interrupted and resumed run ends with bitwise the same weights as an uninterrupted one.
@@ -51,6 +57,7 @@ from transformer.training.checkpoint import (
 from transformer.training.distributed import (
     Runtime,
     all_reduce_sum,
+    all_reduce_sum_tensor,
     gather_objects,
     init_runtime,
     shutdown,
@@ -124,19 +131,26 @@ def train(cfg: TrainConfig) -> Path:
         _log_start(run, accum)
         valid = _valid_batches(data_dir, meta, t, runtime)
         eval_module = objective.module if runtime.distributed else objective  # no gradient sync needed
-        batches = _batches_forever(sampler, train_set, t.pad_to_multiple)
+        batches = _batches_forever(sampler, train_set, t.pad_to_multiple, runtime.device)
         peak = bf16_peak_flops(runtime.device) if runtime.dtype == torch.bfloat16 else None
         monitor = Monitor(
             run_dir, runtime.is_main, t.progress, (run.step, t.max_steps), t.log_every_steps, peak
         )
-        last_save, nonfinite = time.monotonic(), 0
+        last_save, nonfinite, micro = time.monotonic(), 0, None
         with monitor, _StopSignal() as stop_signal, logging_redirect_tqdm():
             while run.step < t.max_steps:
-                micro = [next(batches) for _ in range(accum)]
+                if micro is None:
+                    micro = [next(batches) for _ in range(accum)]
                 save_due = (
                     t.save_every_minutes > 0 and time.monotonic() - last_save >= 60 * t.save_every_minutes
                 )
-                stats, stop, save_due = _train_step(run, objective, micro, stop_signal.received, save_due)
+                flags = [float(stop_signal.received is not None), float(save_due)]
+                queued = _queue_step(run, objective, micro, flags)
+                consumed = run.sampler.state_dict()  # what a checkpoint of this step resumes from
+                # The next step's batches are read and sent while the device works on this one.
+                upcoming = [next(batches) for _ in range(accum)] if run.step + 1 < t.max_steps else None
+                stats, stop, save_due = _finish_step(run, queued, micro)
+                micro = upcoming
                 if stats["finite"]:
                     nonfinite = 0
                     monitor.step(run.step, stats)
@@ -151,7 +165,7 @@ def train(cfg: TrainConfig) -> Path:
                     or run.step == t.max_steps
                     or (nonfinite == 0 and _every(t.save_every_steps, run.step))
                 ):
-                    run.save()
+                    run.save(consumed)
                     last_save = time.monotonic()
                 if stop:
                     log.warning("stopped at step %d by a signal; continue with trainer.resume=auto", run.step)
@@ -176,8 +190,9 @@ class Run:
     spm_model: bytes
     step: int = 0
 
-    def save(self) -> None:
-        """Write a checkpoint (rank 0); every rank takes part, for its RNG state."""
+    def save(self, data_state: dict[str, int]) -> None:
+        """Write a checkpoint (rank 0); every rank takes part, for its RNG state. data_state: the
+        sampler's state after the batches of the steps taken (the loop reads ahead)."""
         rngs = gather_objects(rng_state(), self.runtime)
         if not self.runtime.is_main:
             return
@@ -191,7 +206,7 @@ class Run:
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "data_state": self.sampler.state_dict(),  # the ranks agree on (epoch, position)
+            "data_state": data_state,  # the ranks agree on (epoch, position)
             "rng": rngs,  # one entry per rank
         }
         path = save_checkpoint(ckpt, self.run_dir, self.cfg.trainer.keep_last)
@@ -283,11 +298,14 @@ def _log_start(run: Run, accum: int) -> None:
     )
 
 
-def _batches_forever(sampler: TokenBudgetBatchSampler, dataset: ShardDataset, pad: int) -> Iterator[Batch]:
-    """Batches in the sampler's order, epoch after epoch; the sampler's position counts those taken."""
+def _batches_forever(
+    sampler: TokenBudgetBatchSampler, dataset: ShardDataset, pad: int, device: torch.device
+) -> Iterator[Batch]:
+    """Batches on `device` in the sampler's order, epoch after epoch; the sampler's position counts
+    those taken."""
     while True:
         for indices in sampler:
-            yield dataset.batch(indices, pad)
+            yield dataset.batch(indices, pad).to(device, non_blocking=True)
 
 
 def _valid_batches(
@@ -309,25 +327,39 @@ def _valid_batches(
     return [valid.batch(batch, t.pad_to_multiple) for batch in sampler.epoch_batches(0)]
 
 
-def _train_step(
-    run: Run, objective: nn.Module, micro: list[Batch], signal_received: str | None, save_due: bool
-) -> tuple[dict[str, Any], bool, bool]:
-    """Forward/backward over this rank's batches, one all-reduce of the step's sums and of the ranks'
-    stop/save flags, then the update, skipped when the loss or the gradient is not finite.
+def _queue_step(run: Run, objective: nn.Module, micro: list[Batch], flags: list[float]) -> Tensor:
+    """Queue one optimizer step on the device without waiting for it: forward/backward over this
+    rank's batches, the gradient norm, and the update, which the device itself skips when the loss
+    or the gradient is not finite (Adam's `found_inf`: weights, moments and step count stay as
+    they were). Sums over the ranks are collectives on the device too.
+
+    flags: this rank's stop and save requests. Returns the device tensor [loss sum, NLL sum, target
+    tokens, stop, save, gradient norm], summed over the ranks, which `_finish_step` reads.
+    """
+    runtime = run.runtime
+    local = torch.tensor([float(sum(b.n_tgt_tokens for b in micro)), *flags], dtype=torch.float64)
+    counts = all_reduce_sum_tensor(local.to(runtime.device, non_blocking=True), runtime)  # (3,)
+    sums = _accumulate(objective, micro, runtime, counts[0], run.cfg.trainer.max_tokens)  # (2,)
+    norm = _grad_norm(run.model, run.cfg.optim.clip_grad_norm)  # () of the ranks' summed gradients
+    sums = all_reduce_sum_tensor(sums.double(), runtime)
+    run.optimizer.found_inf = (~(sums[0].isfinite() & norm.isfinite())).float()
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return torch.cat([sums, counts, norm.double()[None]])
+
+
+def _finish_step(run: Run, queued: Tensor, micro: list[Batch]) -> tuple[dict[str, Any], bool, bool]:
+    """Wait for the step `_queue_step` queued (the step's one read from the device) and count it when
+    it was finite: the schedule moves on only then.
 
     Returns the step's statistics (per target token) and whether any rank wants to stop or to save.
     """
-    n_tokens, loss_sum, nll_sum = _accumulate(objective, micro, run.runtime, run.cfg.trainer.max_tokens)
-    grad_norm = _grad_norm(run.model, run.cfg.optim.clip_grad_norm)
-    flags = [float(signal_received is not None), float(save_due)]
-    loss_sum, nll_sum, stop, save_due = all_reduce_sum([loss_sum, nll_sum, *flags], run.runtime)
-    lr = run.optimizer.param_groups[0]["lr"]
+    loss_sum, nll_sum, n_tokens, stop, save_due, grad_norm = queued.tolist()
+    lr = run.optimizer.param_groups[0]["lr"]  # the rate of this step's update
     finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
     if finite:
-        run.optimizer.step()
         run.scheduler.step()
         run.step += 1
-    run.optimizer.zero_grad(set_to_none=True)
     stats = {
         "finite": finite,
         "loss": loss_sum / n_tokens,
@@ -346,25 +378,18 @@ def _every(interval: int, step: int) -> bool:
 
 
 def _accumulate(
-    objective: nn.Module, micro: list[Batch], runtime: Runtime, max_tokens: int
-) -> tuple[float, float, float]:
-    """Forward and backward over this rank's batches of one step; gradient = d(loss sum) / global tokens.
-
-    Returns the step's global target-token count and this rank's sums of the loss and of the NLL.
-    """
-    n_tokens = all_reduce_sum([float(sum(b.n_tgt_tokens for b in micro))], runtime)[0]
+    objective: nn.Module, micro: list[Batch], runtime: Runtime, n_tokens: Tensor, max_tokens: int
+) -> Tensor:
+    """Forward and backward over this rank's batches of one step; gradient = d(loss sum) / n_tokens,
+    the step's target tokens over all ranks (a device scalar). Returns this rank's sums of the loss
+    and of the NLL (2,)."""
     scale = runtime.world_size / n_tokens  # DDP averages the ranks' gradients; this turns it into the sum
-    loss_sum = torch.zeros((), device=runtime.device)
-    nll_sum = torch.zeros((), device=runtime.device)
+    sums = torch.zeros(2, device=runtime.device)
     for i, batch in enumerate(micro):
         synced = not runtime.distributed or i == len(micro) - 1  # all-reduce gradients once, after the last
         with nullcontext() if synced else objective.no_sync():
-            loss, nll = _forward_backward(
-                objective, batch.to(runtime.device, non_blocking=True), scale, runtime, max_tokens
-            )
-        loss_sum += loss
-        nll_sum += nll
-    return n_tokens, loss_sum.item(), nll_sum.item()
+            sums += torch.stack(_forward_backward(objective, batch, scale, runtime, max_tokens))
+    return sums
 
 
 def _forward_backward(
@@ -383,13 +408,14 @@ def _forward_backward(
     return loss.detach(), nll
 
 
-def _grad_norm(model: nn.Module, clip: float) -> float:
-    """The global L2 norm of the gradients, clipped to `clip` when positive (the paper does not clip)."""
+def _grad_norm(model: nn.Module, clip: float) -> Tensor:
+    """The global L2 norm of the gradients (on their device), clipped to `clip` when positive (the
+    paper does not clip)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
-    return norm.item()
+    return norm
 
 
 def _skip_update(step: int, stats: dict[str, Any], in_a_row: int, limit: int) -> int:
