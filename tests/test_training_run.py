@@ -313,6 +313,30 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
     assert skipped == [1]  # the second step (first batch of two) was skipped, after one finite step
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_a_step_is_queued_without_waiting_for_the_device(corpus, tmp_path, monkeypatch):
+    """CUDA's own check around every `_queue_step` (bf16 autocast, as a GPU run trains): no call in it
+    waits for the device, so the host reads the next batches while the step runs."""
+    from transformer.training import loop
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    real, queued = loop._queue_step, []
+
+    def strict(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            queued.append(True)
+
+    monkeypatch.setattr(loop, "_queue_step", strict)
+    args = ["trainer.max_steps=3", "trainer.eval_every_steps=0", "trainer.device=cuda"]
+    train(compose_config(overrides(corpus, tmp_path, *args, "trainer.precision=bf16")))
+    assert len(queued) == 3
+
+
 def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path, monkeypatch):
     from transformer.training import loss as loss_module
     from transformer.training.loop import TrainingError
