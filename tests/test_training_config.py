@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.config import ConfigError, TrainConfig, from_dict
+from transformer.config import ConfigError, TrainConfig, TrainerConfig, from_dict
 from transformer.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +89,19 @@ def test_defaults_are_the_paper_recipe():
     )
     assert (t.tokens_per_step, t.max_steps) == (25000, 100000)
     assert cfg.data.name == "wmt14_en_de"
+
+
+@pytest.mark.parametrize("max_tokens", [500, 3125, 4096, 12500, 25000, 40000])
+@pytest.mark.parametrize("tokens_per_step", [1000, 4096, 25000])
+def test_a_step_holds_tokens_per_step_however_it_is_split(tokens_per_step, max_tokens):
+    """§5.1 ~25k tokens per step on any number of GPUs: the step's batches share tokens_per_step evenly
+    (up to rounding), none over max_tokens, and no fewer batches could hold it."""
+    t = TrainerConfig(tokens_per_step=tokens_per_step, max_tokens=max_tokens)
+    for ranks in (1, 2, 3, 8, 64):
+        batches = t.grad_accum(ranks) * ranks  # per step, over all ranks
+        assert t.batch_tokens(ranks) <= max_tokens
+        assert tokens_per_step <= batches * t.batch_tokens(ranks) < tokens_per_step + batches
+        assert t.grad_accum(ranks) == 1 or (t.grad_accum(ranks) - 1) * ranks * max_tokens < tokens_per_step
 
 
 def test_paper_big():

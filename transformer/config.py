@@ -180,7 +180,7 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     max_steps: int = 100000  # optimizer steps (base: 100k, big: 300k)
     tokens_per_step: int = 25000  # target tokens per optimizer step (§5.2: ~25k source + ~25k target)
-    max_tokens: int = 4096  # padded tokens per batch per rank; accumulation makes up the rest
+    max_tokens: int = 12500  # padded tokens per batch per rank, at most (memory); see batch_tokens
     pad_to_multiple: int = 8  # pad batch lengths to a multiple of this (aligned matmuls)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
@@ -222,6 +222,11 @@ class TrainerConfig:
     def grad_accum(self, world_size: int) -> int:
         """Batches per rank per optimizer step, so that max_tokens x accum x ranks >= tokens_per_step."""
         return max(1, math.ceil(self.tokens_per_step / (self.max_tokens * world_size)))
+
+    def batch_tokens(self, world_size: int) -> int:
+        """The padded-token budget of each batch: tokens_per_step shared evenly among the step's batches
+        on all ranks (at most max_tokens), so a step holds tokens_per_step whatever the split."""
+        return math.ceil(self.tokens_per_step / (self.grad_accum(world_size) * world_size))
 
 
 @dataclass

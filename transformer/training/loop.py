@@ -2,7 +2,8 @@
 self-describing checkpoints and exact resume.
 
 One optimizer step sees about `trainer.tokens_per_step` target tokens (§5.2: ~25,000): each rank runs
-`trainer.grad_accum(world_size)` batches of at most `trainer.max_tokens` padded tokens. The loss is the
+`trainer.grad_accum(world_size)` batches of `trainer.batch_tokens(world_size)` padded tokens at most
+(the step's budget shared evenly, each at most `trainer.max_tokens`). The loss is the
 sum over every non-pad target token of the step divided by their number over all batches and ranks,
 so the update does not depend on how the step is split.
 
@@ -92,7 +93,7 @@ def train(cfg: TrainConfig) -> Path:
         sampler = TokenBudgetBatchSampler(
             train_set.src_lengths,
             train_set.tgt_lengths,
-            t.max_tokens,
+            t.batch_tokens(runtime.world_size),
             seed=t.seed,
             rank=runtime.rank,
             world_size=runtime.world_size,
@@ -282,19 +283,20 @@ def _adam(model: nn.Module, cfg: OptimConfig) -> Adam:
 
 def _log_start(run: Run, accum: int) -> None:
     t, runtime = run.cfg.trainer, run.runtime
-    budget = t.max_tokens * accum * runtime.world_size
+    batch = t.batch_tokens(runtime.world_size)
     log.info(
         "%s on %s x%d (%s): %s parameters; %d batch(es) of <= %d padded tokens per rank per step, "
-        "<= %d per step (trainer.tokens_per_step=%d)",
+        "<= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d)",
         run.run_dir,
         runtime.device,
         runtime.world_size,
         str(runtime.dtype).removeprefix("torch."),
         f"{run.model.num_parameters():,}",
         accum,
-        t.max_tokens,
-        budget,
+        batch,
+        batch * accum * runtime.world_size,
         t.tokens_per_step,
+        t.max_tokens,
     )
 
 
