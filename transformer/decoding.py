@@ -185,6 +185,7 @@ class _Beams:
 
     ids: Tensor  # (N,) original batch position of each sentence
     max_len: Tensor  # (N,) maximum output length L
+    lp_max: Tensor  # (N,) float32 lp(L): the early-stop bound's divisor
     src_mask: Tensor  # (N, S)
     tokens: Tensor  # (N * k, t) tokens generated so far
     scores: Tensor  # (N, k) float32 log P of each live hypothesis
@@ -222,11 +223,13 @@ def beam_search(
     # Step 1 sees the same prefix [BOS] in every beam: run it once per sentence; its reorder then
     # copies each sentence's self-attention cache row into its k beams.
     limit = int(max_len.max())  # the longest output: the caches' room, read once
+    soonest = int(max_len.min())  # the first step at which a sentence reaches its L (read again on exits)
     bos = src.new_full((b, 1), BOS_ID)
     states, cache = model.decode_step(bos, memory, src_mask, max_length=limit)
     beams = _Beams(
         ids=torch.arange(b, device=src.device),
         max_len=max_len,
+        lp_max=length_penalty(max_len, alpha),
         src_mask=src_mask,  # (B, S): the beams of a sentence share its cross-attention K/V
         tokens=src.new_zeros(b, 0),
         scores=torch.zeros(b, 1, device=src.device),  # one live hypothesis per sentence: [BOS]
@@ -238,10 +241,12 @@ def beam_search(
     # Only a row's 2k best tokens can be among the 2k best candidates of its sentence.
     top = _best_next(model, states[:, -1], 1, min_len, 2 * k)  # (B, 2k) twice
     for step in range(1, limit + 1):
-        beams, reorder = _advance(beams, *top, step, k, alpha)
+        at_limit = step >= soonest  # only then may a sentence be at its L (fewer calls before)
+        beams, reorder = _advance(beams, *top, step, k, alpha, at_limit)
         # Done: at the length limit, or no live hypothesis can still beat the best finished one.
-        bound = beams.scores.max(dim=1).values / length_penalty(beams.max_len, alpha)  # (N,)
-        done = (beams.max_len == step) | (beams.best >= bound)
+        done = beams.best >= beams.scores.max(dim=1).values / beams.lp_max  # (N,)
+        if at_limit:
+            done |= beams.max_len == step
         shrink = bool(done.any())
         if shrink:
             results.store(beams.ids[done], beams.best_tokens[done], beams.best_len[done], beams.best[done])
@@ -250,6 +255,7 @@ def beam_search(
             sentences = (~done).nonzero().squeeze(1)
             beams, kept = beams.keep(sentences, k)
             reorder = reorder[kept]  # (n * k,) the cache rows the kept hypotheses extend
+            soonest = int(beams.max_len.min())
         cache = cache.select(reorder, sentences if shrink else None)
         # memory=None: every layer's cross-attention keys and values are already in the cache
         states, cache = model.decode_step(beams.tokens[:, -1:], None, beams.src_mask, cache)
@@ -258,9 +264,10 @@ def beam_search(
 
 
 def _advance(
-    beams: _Beams, log_probs: Tensor, next_tokens: Tensor, step: int, k: int, alpha: float
+    beams: _Beams, log_probs: Tensor, next_tokens: Tensor, step: int, k: int, alpha: float, at_limit: bool
 ) -> tuple[_Beams, Tensor]:
-    """Extend every live hypothesis by one token (step `step`), finish those ending in EOS (or at L).
+    """Extend every live hypothesis by one token (step `step`), finish those ending in EOS (or at L;
+    only looked for when `at_limit`: some sentence may have L = step).
 
     log_probs, next_tokens: (N * k_in, m), the m best next tokens of each live hypothesis, k_in of
     them per sentence (1 at step 1, k after). Returns the new beams and, for each new row, the old
@@ -282,23 +289,24 @@ def _advance(
     tokens = torch.cat([beams.tokens[reorder], top_token.gather(1, pick).view(-1, 1)], dim=1)  # (N * k, step)
     # Finished now: an EOS among the k best candidates, and every live hypothesis at the limit L.
     penalty = length_penalty(step, alpha)
-    eos_best, eos_pick = (top_scores[:, :k].masked_fill(~is_eos[:, :k], NEG_INF) / penalty).max(dim=1)  # (N,)
+    eos_best, eos_pick = (torch.where(is_eos[:, :k], top_scores[:, :k], NEG_INF) / penalty).max(dim=1)  # (N,)
     eos_row = top_row[:, :k].gather(1, eos_pick[:, None]).squeeze(1)  # (N,)
     beams = _finish(beams, eos_best, beams.tokens[eos_row], step - 1)  # EOS itself is not output
-    at_limit = (beams.max_len == step)[:, None]  # (N, 1)
-    cut_best, cut_pick = (live_scores / penalty).masked_fill(~at_limit, NEG_INF).max(dim=1)  # (N,)
-    beams = _finish(beams, cut_best, tokens.view(n, k, step)[torch.arange(n), cut_pick], step)
+    if at_limit:
+        cut = torch.where(beams.max_len[:, None] == step, live_scores / penalty, NEG_INF)  # (N, k)
+        cut_best, cut_pick = cut.max(dim=1)  # (N,)
+        beams = _finish(beams, cut_best, tokens.view(n, k, step)[torch.arange(n), cut_pick], step)
     return replace(beams, tokens=tokens, scores=live_scores), reorder
 
 
 def _finish(beams: _Beams, scores: Tensor, tokens: Tensor, length: int) -> _Beams:
-    """Make (scores (N,), tokens (N, >= length)) the best finished hypotheses where they beat the old."""
+    """Make (scores (N,), tokens (N, >= length)) the best finished hypotheses where they beat the old.
+    The beams are consumed: their best_tokens are written in place."""
     better = scores > beams.best  # (N,)
-    best_tokens = beams.best_tokens.clone()
-    best_tokens[:, :length] = torch.where(better[:, None], tokens[:, :length], best_tokens[:, :length])
+    kept = beams.best_tokens[:, :length]
+    kept.copy_(torch.where(better[:, None], tokens[:, :length], kept))
     return replace(
         beams,
         best=torch.where(better, scores, beams.best),
-        best_tokens=best_tokens,
         best_len=torch.where(better, length, beams.best_len),
     )
