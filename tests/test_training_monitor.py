@@ -1,4 +1,7 @@
-"""Model FLOPs for MFU against torch's FLOP counter, and the bf16 peak lookup."""
+"""Model FLOPs for MFU against torch's FLOP counter, the bf16 peak lookup, and what the monitor logs."""
+
+import logging
+import math
 
 import pytest
 import torch
@@ -36,3 +39,36 @@ def test_bf16_peak_by_device_name(monkeypatch):
     ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device, name=name: name)
         assert monitor.bf16_peak_flops(torch.device("cuda", 0)) == expected, name
+
+
+def test_logged_scalars_are_interval_means_and_the_peak_gpu_memory(tmp_path, monkeypatch, caplog):
+    """Every `every` steps: the means over the interval, tokens/s over its wall time, MFU against the
+    given peak, and on a GPU the allocator's peak of tensor memory (faked here: no GPU needed)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    peak_of = {torch.device("cuda", 1): 3 * 2**30}  # the card the run is on; no other
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak_of.get(device, 0))
+    clock = iter([0.0, 1.0, 3.0])  # construction, step 1, step 2: the interval took 3 s
+    monkeypatch.setattr(monitor.time, "perf_counter", lambda: next(clock))
+    step = {"nll": 1.0, "lr": 1e-3, "grad_norm": 2.0, "flops": 6e12}
+    with (
+        caplog.at_level(logging.INFO),
+        monitor.Monitor(tmp_path, True, False, (0, 10), 2, torch.device("cuda", 1), 1e12) as watch,
+    ):
+        watch.step(1, {**step, "loss": 2.0, "tokens": 100.0})
+        watch.step(2, {**step, "loss": 4.0, "tokens": 200.0, "lr": 3e-3})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"]}
+    assert got == pytest.approx(
+        {
+            "train/loss": 3.0,
+            "train/ppl": math.e,
+            "train/lr": 2e-3,
+            "train/grad_norm": 2.0,
+            "train/tokens_per_s": 100.0,
+            "train/mfu": 4.0,  # 12e12 FLOPs in 3 s against 1e12 FLOP/s
+            "train/peak_mem_gib": 3.0,
+        }
+    )
+    assert "step 2:" in caplog.text and "peak_mem_gib 3" in caplog.text

@@ -135,7 +135,13 @@ def train(cfg: TrainConfig) -> Path:
         batches = _batches_forever(sampler, train_set, t.pad_to_multiple, runtime.device)
         peak = bf16_peak_flops(runtime.device) if runtime.dtype == torch.bfloat16 else None
         monitor = Monitor(
-            run_dir, runtime.is_main, t.progress, (run.step, t.max_steps), t.log_every_steps, peak
+            run_dir,
+            runtime.is_main,
+            t.progress,
+            (run.step, t.max_steps),
+            t.log_every_steps,
+            runtime.device,
+            peak,
         )
         last_save, nonfinite, micro = time.monotonic(), 0, None
         with monitor, _StopSignal() as stop_signal, logging_redirect_tqdm():

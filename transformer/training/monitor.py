@@ -1,6 +1,7 @@
 """Watching a run: a tqdm bar (loss, learning rate, tokens/s, ETA) and TensorBoard scalars under
 `<run_dir>/tensorboard` (train loss, perplexity, lr, gradient norm, tokens/s, model FLOP utilisation on
-GPUs whose bf16 peak is known; validation loss and perplexity). Only rank 0 writes anything.
+GPUs whose bf16 peak is known, the peak GPU memory of tensors so far; validation loss and perplexity).
+Only rank 0 writes anything.
 """
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ class Monitor:
         progress: bool,
         steps: tuple[int, int],
         every: int,
+        device: torch.device,
         peak_flops: float | None,
     ) -> None:
         """steps: (first step of this process, last step of the run)."""
-        self.enabled, self.every, self.peak_flops = enabled, every, peak_flops
+        self.enabled, self.every, self.device, self.peak_flops = enabled, every, device, peak_flops
         start_step, max_steps = steps
         if enabled:
             from torch.utils.tensorboard import SummaryWriter  # a second to import; only rank 0 needs it
@@ -127,6 +129,8 @@ class Monitor:
         }
         if self.peak_flops:  # this rank's model FLOP/s against its card's dense bf16 peak
             scalars["train/mfu"] = sums["flops"] / seconds / self.peak_flops
+        if self.device.type == "cuda":  # the allocator's own count: no wait for the device
+            scalars["train/peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         log.info("step %d: %s", step, ", ".join(f"{tag[6:]} {value:.4g}" for tag, value in scalars.items()))
