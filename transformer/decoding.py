@@ -303,8 +303,8 @@ def _finish(beams: _Beams, scores: Tensor, tokens: Tensor, length: int) -> _Beam
     """Make (scores (N,), tokens (N, >= length)) the best finished hypotheses where they beat the old.
     The beams are consumed: their best_tokens are written in place."""
     better = scores > beams.best  # (N,)
-    kept = beams.best_tokens[:, :length]
-    kept.copy_(torch.where(better[:, None], tokens[:, :length], kept))
+    prefix = beams.best_tokens[:, :length]  # (N, length)
+    prefix.copy_(torch.where(better[:, None], tokens[:, :length], prefix))
     return replace(
         beams,
         best=torch.where(better, scores, beams.best),
