@@ -36,8 +36,8 @@ class Dropout(nn.Dropout):
             return x  # not even a call (a decoding step on a GPU is bound by its calls, not its math)
         if x.device.type != "cpu":
             return super().forward(x)
-        with torch.no_grad():
-            mask = (torch.rand_like(x) >= self.p).to(x.dtype).mul_(1.0 / (1.0 - self.p))
+        with torch.no_grad():  # the noise becomes the mask in place: 1 / (1 - p) where u >= p, else 0
+            mask = torch.rand_like(x).ge_(self.p).mul_(1.0 / (1.0 - self.p))
         return x * mask
 
 
