@@ -21,6 +21,7 @@ from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
 from transformer.training import train
 from transformer.training.checkpoint import list_checkpoints, load_checkpoint
+from transformer.training.loss import smoothed_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -222,22 +223,23 @@ def test_sweep_gives_each_job_its_own_run_directory(corpus, tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
+def nan_on_calls(bad):
+    """The label-smoothed loss, NaN at the calls numbered in `bad` (from 1; one call per batch)."""
+    calls = {"n": 0}
+
+    def patched(*args):
+        calls["n"] += 1
+        loss, nll = smoothed_cross_entropy(*args)
+        return (loss * float("nan"), nll) if calls["n"] in bad else (loss, nll)
+
+    return patched
+
+
 def test_nonfinite_loss_skips_the_update_and_stops_the_run_when_it_persists(
     corpus, tmp_path, monkeypatch, caplog
 ):
     from transformer.training import loss as loss_module
     from transformer.training.loop import TrainingError
-
-    real = loss_module.smoothed_cross_entropy
-    calls = {"n": 0}
-
-    def nan_on_calls(bad):
-        def patched(*args):
-            calls["n"] += 1
-            loss, nll = real(*args)
-            return (loss * float("nan"), nll) if calls["n"] in bad else (loss, nll)
-
-        return patched
 
     args = overrides(corpus, tmp_path / "once", "trainer.max_steps=3", "trainer.eval_every_steps=0")
     monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls({3}))  # step 2, first batch
@@ -270,17 +272,7 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
     from transformer.training import loop
     from transformer.training import loss as loss_module
 
-    real_loss, real_queue, real_finish = (
-        loss_module.smoothed_cross_entropy,
-        loop._queue_step,
-        loop._finish_step,
-    )
-    calls, before, skipped = {"loss": 0}, {}, []
-
-    def nan_on_third(*args):
-        calls["loss"] += 1
-        loss, nll = real_loss(*args)
-        return (loss * float("nan"), nll) if calls["loss"] == 3 else (loss, nll)
+    real_queue, real_finish, before, skipped = loop._queue_step, loop._finish_step, {}, []
 
     def queue(run, *args):
         before["model"] = {k: v.clone() for k, v in run.model.state_dict().items()}
@@ -306,7 +298,7 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
             assert (run.optimizer.param_groups[0]["lr"], run.step) == (before["lr"], before["step"])
         return stats
 
-    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_third)
+    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls({3}))
     monkeypatch.setattr(loop, "_queue_step", queue)
     monkeypatch.setattr(loop, "_finish_step", finish)
     train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3", "trainer.eval_every_steps=0")))
