@@ -10,12 +10,19 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer import decoding
+from transformer import decoding, static_search
 from transformer.config import ModelConfig
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.decoding import beam_search, greedy_search, length_penalty
 from transformer.model import Transformer
+from transformer.static_search import static_beam_search
+
+# the two implementations of the same beam search: dynamic shapes, and static shapes (CUDA graphs)
+BEAM_SEARCHES = pytest.mark.parametrize(
+    "beam_search_fn", [beam_search, static_beam_search], ids=["dynamic", "static"]
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -108,11 +115,12 @@ def test_length_penalty_is_the_gnmt_formula():
     assert length_penalty(1, 0.6) == 1.0  # a lone EOS is not penalised
 
 
-def test_beam_of_one_without_length_penalty_is_greedy():
+@BEAM_SEARCHES
+def test_beam_of_one_without_length_penalty_is_greedy(beam_search_fn):
     model = tiny_model()
     src = sources([3, 7, 5, 1, 9], 24)
     greedy = greedy_search(model, src, max_len_a=1.0, max_len_b=6)
-    beam = beam_search(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=6)
+    beam = beam_search_fn(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=6)
     assert beam.tokens == greedy.tokens
     torch.testing.assert_close(beam.scores, greedy.scores)
     assert any(len(t) > 0 for t in greedy.tokens)
@@ -161,9 +169,10 @@ def brute_force(model: Transformer, src: torch.Tensor, max_len: int, alpha: floa
     return best
 
 
+@BEAM_SEARCHES
 @pytest.mark.parametrize("max_len", [3, 4])
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_wide_beam_finds_the_exhaustive_optimum(max_len, alpha):
+def test_wide_beam_finds_the_exhaustive_optimum(max_len, alpha, beam_search_fn):
     """Vocabulary 6: 3 content pieces (UNK and two more) plus EOS can follow each prefix. A beam as
     wide as all candidates of the last step (3^(L-1) live prefixes x 4) never prunes, so beam search
     with its early stop must return exactly the exhaustive optimum."""
@@ -171,7 +180,7 @@ def test_wide_beam_finds_the_exhaustive_optimum(max_len, alpha):
     model = tiny_model(vocab=vocab, seed=7)
     src = sources([2, 5, 3, 4], vocab, seed=4)
     width = 3 ** (max_len - 1) * 4
-    result = beam_search(model, src, beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len)
+    result = beam_search_fn(model, src, beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len)
     optimum = brute_force(model, src, max_len, alpha)
     assert len({tuple(tokens) for _, tokens in optimum}) > 1  # the sentences' optima differ
     for row, (score, tokens) in enumerate(optimum):
@@ -179,15 +188,17 @@ def test_wide_beam_finds_the_exhaustive_optimum(max_len, alpha):
         assert float(result.scores[row]) == pytest.approx(score, abs=1e-5)  # scores add up in float32
 
 
-def test_a_batch_decodes_like_its_sentences_one_by_one():
-    """Padding, and sentences leaving the batch when done, change nothing."""
+@BEAM_SEARCHES
+def test_a_batch_decodes_like_its_sentences_one_by_one(beam_search_fn):
+    """Padding, and sentences leaving the batch (or staying, their results frozen) when done, change
+    nothing."""
     model = tiny_model(seed=5)
     src = sources([9, 2, 5, 1, 7, 3], 24, seed=6)
-    batch = beam_search(model, src, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
+    batch = beam_search_fn(model, src, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
     lengths = set()
     for row in range(src.size(0)):
         one = src[row : row + 1, : int((src[row] != PAD_ID).sum())]
-        alone = beam_search(model, one, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
+        alone = beam_search_fn(model, one, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
         assert alone.tokens[0] == batch.tokens[row]
         assert float(alone.scores[0]) == pytest.approx(float(batch.scores[row]), abs=1e-5)
         lengths.add(len(alone.tokens[0]))
@@ -199,6 +210,7 @@ def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
     src = sources([2, 6], 24)  # 3 and 7 source tokens with EOS
     for search in (
         lambda: beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=3, min_len=50),
+        lambda: static_beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=3, min_len=50),
         lambda: greedy_search(model, src, max_len_b=3, min_len=50),
     ):
         result = search()
@@ -255,3 +267,98 @@ def test_cuda_bfloat16_decoding_runs_and_mostly_agrees_with_cpu():
     gpu = beam_search(model.cuda().to(torch.bfloat16), src.cuda(), beam_size=4, alpha=0.6, max_len_b=5)
     assert gpu.scores.dtype == torch.float32 and len(gpu.tokens) == len(cpu.tokens)
     assert torch.allclose(gpu.scores.cpu(), cpu.scores, atol=0.1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_static_search_chooses_as_the_dynamic_one(seed):
+    """Random batches and settings: the static-shape search (all beams from step 1, finished sentences
+    kept and frozen, masked L-long caches) returns the tokens and scores of `beam_search`."""
+    model = tiny_model(seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    lengths = set()
+    for beam, alpha, a, b, min_len in [
+        (4, 0.6, 1.0, 3, 0),
+        (2, 0.0, 0.5, 5, 0),
+        (5, 1.0, 0.0, 7, 2),
+        (3, 0.6, 1.0, 9, 0),
+    ]:
+        src = sources(torch.randint(1, 9, (7,), generator=g).tolist(), 24, seed=seed + beam)
+        kwargs = {"beam_size": beam, "alpha": alpha, "max_len_a": a, "max_len_b": b, "min_len": min_len}
+        dynamic, static = beam_search(model, src, **kwargs), static_beam_search(model, src, **kwargs)
+        assert static.tokens == dynamic.tokens
+        torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-6, atol=1e-6)
+        lengths |= {len(t) for t in static.tokens}
+    assert len(lengths) > 3  # outputs of many lengths: sentences finished at many steps
+
+
+def test_a_finished_sentence_stays_finished_while_the_batch_decodes_on():
+    """With alpha = 2 the length penalty outgrows the falling log-probabilities: hypotheses far past a
+    short sentence's limit would outscore its result. The static search keeps finished sentences in
+    the batch; their results must stay final (as in `beam_search`, where they leave it)."""
+    model = tiny_model(seed=2)
+    src = sources([2, 25, 1], 24, seed=2)  # limits |X| + 1: 4, 27, 3
+    kwargs = {"beam_size": 3, "alpha": 2.0, "max_len_a": 1.0, "max_len_b": 1}
+    dynamic, static = beam_search(model, src, **kwargs), static_beam_search(model, src, **kwargs)
+    assert static.tokens == dynamic.tokens
+    torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-6, atol=1e-6)
+    assert all(len(tokens) <= limit for tokens, limit in zip(static.tokens, [4, 27, 3]))
+
+
+class _NoHostValues(TorchDispatchMode):
+    """Fails on every op that would make a CUDA graph's capture fail or its replays wrong: reading a
+    value to the host, an output shape that depends on values, a tensor made from host data."""
+
+    FORBIDDEN = {
+        "_local_scalar_dense",
+        "is_nonzero",
+        "item",
+        "nonzero",
+        "masked_select",
+        "lift_fresh",
+        "equal",
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func.overloadpacket.__name__ not in self.FORBIDDEN, f"{func} in a static step"
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory():
+    """What a CUDA graph replays must be the same kernels on the same memory at every step: a step
+    (checked op by op) reads no device value and leaves every state tensor where it was."""
+    model = tiny_model(seed=2)
+    state = static_search._start(model, sources([4, 7, 2], 24), 3, 0.6, 1.0, 5)
+
+    def layout() -> list[tuple]:
+        tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
+        tensors += [t for kv in state.self_kv + state.cross_kv for t in (kv.k, kv.v)]
+        return [(t.data_ptr(), t.shape, t.stride()) for t in tensors]
+
+    start, scores = layout(), []
+    for _ in range(4):
+        with _NoHostValues():
+            static_search._step(model, state, 3, 0.6, 0)
+        assert layout() == start
+        scores.append(state.scores.clone())
+    assert int(state.position) == 4 and not torch.equal(scores[0], scores[-1])  # it did advance
+    # the mode does catch a host read
+    with pytest.raises(AssertionError, match="_local_scalar_dense"), _NoHostValues():
+        bool(state.done.any())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_decode_like_the_eager_static_and_dynamic_searches():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_model(dtype=torch.float32).cuda()
+    src = sources([3, 8, 5, 6, 1, 7], 24).cuda()
+    kwargs = {"beam_size": 4, "alpha": 0.6, "max_len_b": 5}
+    graphed = static_beam_search(model, src, graph=True, **kwargs)
+    eager = static_beam_search(model, src, graph=False, **kwargs)
+    assert graphed.tokens == eager.tokens
+    torch.testing.assert_close(graphed.scores, eager.scores)
+    dynamic = beam_search(model, src, **kwargs)
+    assert graphed.tokens == dynamic.tokens
+    torch.testing.assert_close(graphed.scores, dynamic.scores.cpu(), rtol=1e-4, atol=1e-4)
+    half = static_beam_search(model.to(torch.bfloat16), src, **kwargs)  # as translate.py runs on CUDA
+    assert half.scores.dtype == torch.float32 and torch.isfinite(half.scores).all()

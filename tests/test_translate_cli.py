@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from transformer.config import ConfigError, TranslateConfig
 from transformer.translation import Translator, split_input
@@ -126,6 +127,7 @@ def test_split_input_splits_on_newline_only():
         ({"alpha": "high"}, "alpha='high' must be a number"),
         ({"device": "tpu"}, "device='tpu' must be"),
         ({"text": "a", "input": "b.txt"}, "either text=... or input=FILE"),
+        ({"cuda_graphs": "yes"}, "cuda_graphs='yes' must be true or false"),
     ],
 )
 def test_bad_settings_are_named(tiny_checkpoint, settings, message):
@@ -137,3 +139,28 @@ def test_settings_that_leave_no_room_and_a_text_hydra_read_as_a_number(tiny_chec
     with pytest.raises(ConfigError, match="max_len_b=200 leaves no room"):
         Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_b=200))
     assert TranslateConfig(checkpoint=str(tiny_checkpoint), text=123).text == "123"
+
+
+def test_cuda_graphs_without_a_cuda_device_are_refused(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="cuda_graphs=true needs a CUDA device; device=cpu gives the CPU"):
+        Translator.from_checkpoint(
+            TranslateConfig(checkpoint=str(tiny_checkpoint), cuda_graphs=True, device="cpu")
+        )
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_translate_as_the_dynamic_search(tiny_checkpoint):
+    """The real command on CUDA, with and without cuda_graphs: the same lines (fp32, so that the two
+    searches' arithmetic cannot round apart)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    lines = b"The cat sees the house.\n\nA dog likes a red ball.\nMein Freund findet das Haus.\n"
+    runs = [
+        translate(
+            f"checkpoint={tiny_checkpoint}", "device=cuda", "precision=fp32", f"cuda_graphs={g}", stdin=lines
+        )
+        for g in ("false", "true")
+    ]
+    for done in runs:
+        assert done.returncode == 0, done.stderr.decode()
+    assert runs[1].stdout == runs[0].stdout and len(runs[1].stdout.splitlines()) == 4

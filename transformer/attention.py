@@ -76,6 +76,8 @@ class GrowingKV:
     or reorders it: the cache returned reuses its buffers.
     """
 
+    key_mask = None  # every position held is attended (unlike StaticKV)
+
     def __init__(
         self,
         k: Tensor | None = None,
@@ -134,6 +136,36 @@ class GrowingKV:
         torch.index_select(self.v_buf[:, :, :t], 0, self.rows, out=v[:, :, :t])
         self.k_buf, self.v_buf, self.spare, self.rows = k, v, (self.k_buf, self.v_buf), None
         return self
+
+
+class StaticKV:
+    """Decoder self-attention keys and values in buffers of a fixed length L, (B, H_kv, L, d), written at
+    a position held in a device tensor: every decoding step has the same shapes and the same memory,
+    as a CUDA graph needs (`static_search`). Attention reads all L positions; `key_mask` hides those
+    not written yet. The position and the mask are shared by every layer and advanced by the search.
+    """
+
+    def __init__(self, k: Tensor, v: Tensor, position: Tensor, key_mask: Tensor) -> None:
+        self.k, self.v = k, v  # (B, H_kv, L, d_k), (B, H_kv, L, d_v)
+        self.position = position  # () long: where the next append writes
+        self.key_mask = key_mask  # (1, L) bool: True at positions <= position
+
+    @property
+    def length(self) -> int:
+        """The positions attention reads: all L."""
+        return self.k.size(2)
+
+    def append(self, k: Tensor, v: Tensor) -> StaticKV:
+        """k (B, H_kv, 1, d_k), v (B, H_kv, 1, d_v): the keys and values at `position`, written in place."""
+        at = self.position.view(1)
+        self.k.index_copy_(2, at, k)
+        self.v.index_copy_(2, at, v)
+        return self
+
+    def reorder_(self, rows: Tensor) -> None:
+        """Row i becomes row rows[i] (B,), in place; a row may repeat (the beams of one hypothesis)."""
+        self.k.copy_(self.k.index_select(0, rows))
+        self.v.copy_(self.v.index_select(0, rows))
 
 
 def reference_attention(
@@ -208,13 +240,14 @@ class MultiHeadAttention(nn.Module):
         x: Tensor,
         memory: Tensor | None = None,
         key_mask: Tensor | None = None,
-        past: KV | GrowingKV | None = None,
-    ) -> tuple[Tensor, KV | GrowingKV | None]:
+        past: KV | GrowingKV | StaticKV | None = None,
+    ) -> tuple[Tensor, KV | GrowingKV | StaticKV | None]:
         """x: (B, T_q, d_model) queries (and keys/values for self-attention).
 
         memory: (B, T_k, d_model) encoder output (cross-attention), or a ready `past` KV for it.
         key_mask: (B, T_k) bool, True = a real token (keys at False are never attended to).
-        past: decoder self-attention cache; the new keys/values are appended and the grown KV returned.
+        past: decoder self-attention cache (GrowingKV or StaticKV); the new keys/values are appended and
+            the grown cache returned.
         """
         cached = 0  # keys of earlier decoding steps, before those of these queries
         if self.kind == "cross":
@@ -225,7 +258,7 @@ class MultiHeadAttention(nn.Module):
             q = self._heads(q, self.n_heads)  # (B, H, T_q, d_k)
             kv = KV(self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads))  # (B, H_kv, T, d)
             if past is not None:
-                cached = past.length
+                cached, key_mask = past.length, past.key_mask
                 kv = past.append(kv.k, kv.v)
         if kv.k.size(0) != q.size(0):  # beam search: the beams of a sentence share its cross K/V
             out = self._attend_beams(q, kv, key_mask)  # (B, H, T_q, d_v)

@@ -269,6 +269,7 @@ class DecodeConfig:
     max_tokens: int = 4096  # padded source tokens per batch
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
+    cuda_graphs: bool = False  # search in static shapes, each step one CUDA graph replay (static_search.py)
 
     def __post_init__(self) -> None:
         _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
@@ -294,6 +295,7 @@ class DecodeConfig:
             self.precision in ("auto", "fp32", "bf16"),
             f"precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
         )
+        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs={self.cuda_graphs!r} must be true or false")
 
 
 @dataclass

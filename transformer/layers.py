@@ -63,13 +63,15 @@ class Embeddings(nn.Module):
     def weight(self) -> Tensor:
         return self.tokens.weight  # (V, d_model)
 
-    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        """tokens: (B, T) ids at positions offset..offset+T-1 -> (B, T, d_model)."""
+    def forward(self, tokens: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """tokens: (B, T) ids at positions offset..offset+T-1 -> (B, T, d_model). The offset may be a
+        () long device tensor (static-shape decoding: the host never reads it)."""
         t = tokens.size(1)
-        if self.learned is not None:
-            positions = self.learned.weight[offset : offset + t]
+        table = self.learned.weight if self.learned is not None else self.table  # (P, d_model)
+        if isinstance(offset, Tensor):
+            positions = table.index_select(0, offset + torch.arange(t, device=offset.device))
         else:
-            positions = self.table[offset : offset + t]
+            positions = table[offset : offset + t]
         return self.dropout(self.tokens(tokens) * math.sqrt(self.d_model) + positions)
 
 

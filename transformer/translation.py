@@ -19,6 +19,7 @@ from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from transformer.decoding import SearchResult, beam_search, greedy_search, search_weights
 from transformer.linear import prepacked
 from transformer.model import Transformer
+from transformer.static_search import static_beam_search
 from transformer.training.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Translator:
     def from_checkpoint(cls, cfg: DecodeConfig) -> Translator:
         """Everything comes from the checkpoint file; problems raise CheckpointError or ConfigError."""
         device = resolve_device(cfg.device)
+        if cfg.cuda_graphs and device.type != "cuda":
+            raise ConfigError(f"cuda_graphs=true needs a CUDA device; device={cfg.device} gives the CPU")
         ckpt = load_checkpoint(cfg.checkpoint)
         if not ckpt.get("spm_model"):
             raise CheckpointError(f"{cfg.checkpoint} carries no tokenizer (spm_model)")
@@ -96,6 +99,9 @@ class Translator:
     def search(self, src: torch.Tensor) -> SearchResult:
         """Beam search as in §6.1 (beam_size=1: greedy) on a padded batch (B, S)."""
         cfg = self.cfg
+        if cfg.cuda_graphs:  # a beam of 1 without length penalty is greedy search
+            beam, alpha = (cfg.beam_size, cfg.alpha) if cfg.beam_size > 1 else (1, 0.0)
+            return static_beam_search(self.model, src, beam, alpha, cfg.max_len_a, cfg.max_len_b)
         if cfg.beam_size == 1:
             return greedy_search(self.model, src, cfg.max_len_a, cfg.max_len_b)
         return beam_search(self.model, src, cfg.beam_size, cfg.alpha, cfg.max_len_a, cfg.max_len_b)
