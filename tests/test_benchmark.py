@@ -99,14 +99,34 @@ def test_compiled_models_and_the_big_model(tmp_path):
     assert report["train"]["big_tokens_per_s"] > 0
 
 
-def test_targets_are_the_goals_of_the_device(monkeypatch):
-    """On CUDA: vs the compiled nn.Transformer (2x), the peak memory with weights and Adam (<= 10 GiB) and
-    beam 4 vs Hugging Face (5x); on a CPU: vs nn.Transformer in its fastest mode (1.3x), beam 4 vs
-    CTranslate2 (1.2x) and Hugging Face (2x). Decoding goals take the fastest of ours."""
+def load_benchmark(monkeypatch: pytest.MonkeyPatch):
     spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
     benchmark = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "benchmark", benchmark)  # its dataclasses look themselves up there
     spec.loader.exec_module(benchmark)
+    return benchmark
+
+
+def test_a_failing_section_leaves_the_others_reported_and_fails_the_run(monkeypatch, tmp_path):
+    benchmark = load_benchmark(monkeypatch)
+
+    def fail(*_args):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(benchmark, "section_decode", fail)
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit, match="section.s. decode failed"):
+        benchmark.main([*TINY, "--sections", "decode,data", "--data-pairs", "2000", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert "decode" not in report and report["data"]["batches"] > 0
+    assert "section decode failed: RuntimeError: no such kernel" in report["notes"]
+
+
+def test_targets_are_the_goals_of_the_device(monkeypatch):
+    """On CUDA: vs the compiled nn.Transformer (2x), the peak memory with weights and Adam (<= 10 GiB) and
+    beam 4 vs Hugging Face (5x); on a CPU: vs nn.Transformer in its fastest mode (1.3x), beam 4 vs
+    CTranslate2 (1.2x) and Hugging Face (2x). Decoding goals take the fastest of ours."""
+    benchmark = load_benchmark(monkeypatch)
 
     def row(model, mode, tokens_per_s, total_mib):
         return {"model": model, "mode": mode, "tokens_per_s": tokens_per_s, "peak_total_mib": total_mib}
