@@ -291,6 +291,22 @@ def test_static_search_chooses_as_the_dynamic_one(seed):
     assert len(lengths) > 3  # outputs of many lengths: sentences finished at many steps
 
 
+@pytest.mark.parametrize("variant", [{"n_kv_heads": 2}, {"norm_first": True}, {"positional": "learned"}])
+def test_static_search_chooses_as_the_dynamic_one_in_every_model_variant(variant):
+    """Grouped key/value heads, pre-LN (a final LayerNorm), learned positions (read at a device offset)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0, **variant)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # contexts matter (see tiny_model)
+    src = sources([8, 3, 6, 5], 50, seed=3)
+    kwargs = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 6}
+    dynamic, static = beam_search(model, src, **kwargs), static_beam_search(model, src, **kwargs)
+    assert static.tokens == dynamic.tokens and len({tuple(t) for t in static.tokens}) > 1
+    torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-5, atol=1e-5)
+
+
 def test_a_finished_sentence_stays_finished_while_the_batch_decodes_on():
     """With alpha = 2 the length penalty outgrows the falling log-probabilities: hypotheses far past a
     short sentence's limit would outscore its result. The static search keeps finished sentences in
