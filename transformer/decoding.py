@@ -263,19 +263,21 @@ def beam_search(
     return results.result()
 
 
-def _advance(
-    beams: _Beams, log_probs: Tensor, next_tokens: Tensor, step: int, k: int, alpha: float, at_limit: bool
-) -> tuple[_Beams, Tensor]:
-    """Extend every live hypothesis by one token (step `step`), finish those ending in EOS (or at L;
-    only looked for when `at_limit`: some sentence may have L = step).
+def rank_extensions(
+    scores: Tensor, log_probs: Tensor, next_tokens: Tensor, k: int, penalty: float | Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One step's choice among the extensions of N sentences' live hypotheses, k_in per sentence.
 
-    log_probs, next_tokens: (N * k_in, m), the m best next tokens of each live hypothesis, k_in of
-    them per sentence (1 at step 1, k after). Returns the new beams and, for each new row, the old
-    row it extends (to reorder the decoder cache).
+    scores (N, k_in) float32 log P of the live hypotheses; log_probs, next_tokens (N * k_in, m): the m
+    best next tokens of each; penalty: lp(step). Of each sentence's 2k best extensions, the k best not
+    ending in EOS live on, and an EOS among the k best finishes its hypothesis. Returns the new live
+    scores (N, k), the old row each new row extends (N * k,), its new token (N * k, 1), and per
+    sentence the best EOS ending's normalized score (N,) (-inf if none) and the row it ends (N,).
+    No value is read on the host (the static-shape search records this in a CUDA graph).
     """
-    n, k_in = beams.scores.shape
+    n, k_in = scores.shape
     m = log_probs.size(-1)
-    candidates = (beams.scores[:, :, None] + log_probs.view(n, k_in, m)).view(n, k_in * m)
+    candidates = (scores[:, :, None] + log_probs.view(n, k_in, m)).view(n, k_in * m)
     if candidates.size(1) < 2 * k:  # fewer candidates than asked for: pad with impossible ones
         candidates = F.pad(candidates, (0, 2 * k - candidates.size(1)), value=NEG_INF)
     top_scores, top_index = candidates.topk(2 * k, dim=1)  # (N, 2k), best first
@@ -286,13 +288,30 @@ def _advance(
     # k new live hypotheses: the best candidates that do not end in EOS (at most k_in <= k of 2k do).
     live_scores, pick = top_scores.masked_fill(is_eos, NEG_INF).topk(k, dim=1)  # (N, k)
     reorder = top_row.gather(1, pick).view(-1)  # (N * k,)
-    tokens = torch.cat([beams.tokens[reorder], top_token.gather(1, pick).view(-1, 1)], dim=1)  # (N * k, step)
-    # Finished now: an EOS among the k best candidates, and every live hypothesis at the limit L.
-    penalty = length_penalty(step, alpha)
+    new_token = top_token.gather(1, pick).view(-1, 1)  # (N * k, 1)
     eos_best, eos_pick = (torch.where(is_eos[:, :k], top_scores[:, :k], NEG_INF) / penalty).max(dim=1)  # (N,)
     eos_row = top_row[:, :k].gather(1, eos_pick[:, None]).squeeze(1)  # (N,)
+    return live_scores, reorder, new_token, eos_best, eos_row
+
+
+def _advance(
+    beams: _Beams, log_probs: Tensor, next_tokens: Tensor, step: int, k: int, alpha: float, at_limit: bool
+) -> tuple[_Beams, Tensor]:
+    """Extend every live hypothesis by one token (step `step`), finish those ending in EOS (or at L;
+    only looked for when `at_limit`: some sentence may have L = step).
+
+    log_probs, next_tokens: (N * k_in, m), the m best next tokens of each live hypothesis, k_in of
+    them per sentence (1 at step 1, k after). Returns the new beams and, for each new row, the old
+    row it extends (to reorder the decoder cache).
+    """
+    n = beams.scores.size(0)
+    penalty = length_penalty(step, alpha)
+    live_scores, reorder, new_token, eos_best, eos_row = rank_extensions(
+        beams.scores, log_probs, next_tokens, k, penalty
+    )
+    tokens = torch.cat([beams.tokens[reorder], new_token], dim=1)  # (N * k, step)
     beams = _finish(beams, eos_best, beams.tokens[eos_row], step - 1)  # EOS itself is not output
-    if at_limit:
+    if at_limit:  # every live hypothesis at the limit L finishes
         cut = torch.where(beams.max_len[:, None] == step, live_scores / penalty, NEG_INF)  # (N, k)
         cut_best, cut_pick = cut.max(dim=1)  # (N,)
         beams = _finish(beams, cut_best, tokens.view(n, k, step)[torch.arange(n), cut_pick], step)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from transformer.attention import KV, StaticKV
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.decoding import NEG_INF, SearchResult, length_penalty, max_output_lengths
+from transformer.decoding import NEG_INF, SearchResult, length_penalty, max_output_lengths, rank_extensions
 from transformer.model import Transformer
 
 
@@ -93,7 +93,6 @@ def _start(model: Transformer, src: Tensor, k: int, alpha: float, max_len_a: flo
 
 def _step(model: Transformer, s: _State, k: int, alpha: float, min_len: int) -> None:
     """One step of `decoding.beam_search` (`_advance` and the done test), in place on s."""
-    n = s.scores.size(0)
     step = s.position + 1  # () long: the output position chosen now, 1-based
     torch.le(s.key_positions, s.position, out=s.key_mask)
     y = model.embed(s.last, offset=s.position)  # (N * k, 1, d_model)
@@ -105,25 +104,14 @@ def _step(model: Transformer, s: _State, k: int, alpha: float, min_len: int) -> 
     log_probs[:, BOS_ID].fill_(NEG_INF)
     log_probs[:, EOS_ID].masked_fill_(step <= min_len, NEG_INF)  # held back through min_len
     # only a row's 2k best tokens can be among its sentence's 2k best candidates
-    m = min(2 * k, log_probs.size(-1))
-    top, token = log_probs.topk(m, dim=-1)  # (N * k, m)
-    candidates = (s.scores[:, :, None] + top.view(n, k, m)).view(n, k * m)  # k * m >= 2k: V >= 4
-    top_scores, top_index = candidates.topk(2 * k, dim=1)  # (N, 2k), best first
-    top_row = s.first_row + top_index // m  # (N, 2k) the row each candidate extends
-    top_token = token.view(n, k * m).gather(1, top_index)  # (N, 2k)
-    is_eos = top_token == EOS_ID
-    # k new live hypotheses: the best candidates that do not end in EOS
-    live_scores, pick = top_scores.masked_fill(is_eos, NEG_INF).topk(k, dim=1)  # (N, k)
-    reorder = top_row.gather(1, pick).view(-1)  # (N * k,)
-    new_token = top_token.gather(1, pick).view(-1, 1)  # (N * k, 1)
-    # Finished now: an EOS among the k best candidates, and every live hypothesis at its limit L_n.
+    top, token = log_probs.topk(min(2 * k, log_probs.size(-1)), dim=-1)  # (N * k, m)
     penalty = length_penalty(step.double(), alpha).float()  # () as decoding's Python float, rounded
-    eos_best, eos_pick = (torch.where(is_eos[:, :k], top_scores[:, :k], NEG_INF) / penalty).max(dim=1)
-    eos_row = top_row[:, :k].gather(1, eos_pick[:, None]).squeeze(1)  # (N,)
+    live_scores, reorder, new_token, eos_best, eos_row = rank_extensions(s.scores, top, token, k, penalty)
     _finish(s, eos_best, s.tokens[eos_row], step - 1)  # EOS itself is not output
     tokens = s.tokens.index_select(0, reorder)  # (N * k, L)
     tokens.index_copy_(1, s.position.view(1), new_token)
     s.tokens.copy_(tokens)
+    # every live hypothesis at its limit L_n finishes
     cut = torch.where(s.max_len[:, None] == step, live_scores / penalty, NEG_INF)  # (N, k)
     cut_best, cut_pick = cut.max(dim=1)  # (N,)
     _finish(s, cut_best, s.tokens[s.first_row[:, 0] + cut_pick], step)
