@@ -100,9 +100,10 @@ def test_compiled_models_and_the_big_model(tmp_path):
 
 
 def load_benchmark(monkeypatch: pytest.MonkeyPatch):
+    """scripts/benchmark.py as a module, with scripts/ on the path as when it runs (for its bench/)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
     benchmark = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "benchmark", benchmark)  # its dataclasses look themselves up there
     spec.loader.exec_module(benchmark)
     return benchmark
 

@@ -1,0 +1,1 @@
+"""The sections of scripts/benchmark.py: measuring, the peers, train, decode, data, the report."""

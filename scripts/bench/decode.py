@@ -1,0 +1,176 @@
+"""The decode section: ours (beam_search / greedy_search; on CUDA also static_beam_search in CUDA
+graphs), Hugging Face generate and CTranslate2 on the same random sources, exactly --new-tokens outputs."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bench.measure import FIRST_TOKEN, Setup, interleave
+from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
+from transformer.config import ModelConfig
+from transformer.data.tokenizer import EOS_ID
+from transformer.decoding import beam_search, greedy_search, search_weights
+from transformer.linear import prepacked
+from transformer.model import Transformer
+from transformer.static_search import static_beam_search
+
+
+def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
+    """The same random source pieces for every decoder, each with its own EOS (ours 3, Marian 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    pieces = torch.randint(FIRST_TOKEN, cfg.vocab_size - 1, (n, src_len - 1), generator=generator)
+    ours = torch.cat([pieces, torch.full((n, 1), EOS_ID)], dim=1)  # (N, S)
+    marian = torch.cat([pieces, torch.zeros(n, 1, dtype=torch.long)], dim=1)  # (N, S)
+    tokens = [[MarianVocabulary.piece(i) for i in row] for row in marian.tolist()]
+    return {"ours": ours, "marian": marian, "ct2": tokens}
+
+
+def ours_decoder(model: Transformer, new_tokens: int, graphs: bool = False) -> Callable[[Tensor, int], int]:
+    """beam_search / greedy_search with exactly new_tokens outputs: L = 0 x |X| + new_tokens, and EOS
+    suppressed through step new_tokens (min_len). With graphs, static_beam_search replaying each step as
+    a CUDA graph (greedy: a beam of 1 without length penalty), recorded anew for every call, as
+    translate.py does for every batch. Returns the output tokens."""
+
+    def run(src: Tensor, beam: int) -> int:
+        limits = {"max_len_a": 0.0, "max_len_b": new_tokens, "min_len": new_tokens}
+        if graphs:
+            result = static_beam_search(model, src, beam_size=beam, alpha=0.6 if beam > 1 else 0.0, **limits)
+        elif beam > 1:
+            result = beam_search(model, src, beam_size=beam, alpha=0.6, **limits)
+        else:
+            result = greedy_search(model, src, **limits)
+        return sum(len(tokens) for tokens in result.tokens)
+
+    return run
+
+
+def hf_decoder(model: nn.Module, new_tokens: int) -> Callable[[Tensor, int], int]:
+    """Hugging Face generate with min_new_tokens = max_new_tokens; returns the generated tokens."""
+
+    @torch.inference_mode()
+    def run(src: Tensor, beam: int) -> int:
+        out = model.generate(
+            input_ids=src,
+            attention_mask=torch.ones_like(src),
+            num_beams=beam,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+            max_new_tokens=new_tokens,
+        )
+        return int((out[:, 1:] != model.config.pad_token_id).sum())  # the decoder start token excluded
+
+    return run
+
+
+def ct2_decoder(worker: Ct2Process, new_tokens: int) -> Callable[[list[list[str]], int], int]:
+    """CTranslate2 translate_batch with min = max decoding length (EOS is not counted in it: outputs
+    have exactly that many tokens; checked in the run)."""
+    return lambda tokens, beam: worker.translate(tokens, beam, new_tokens)
+
+
+def build_decoders(
+    ours: Transformer,
+    cfg: ModelConfig,
+    setup: Setup,
+    peers: set[str],
+    args: argparse.Namespace,
+    workdir: Path,
+    notes: list[str],
+) -> dict[str, tuple[str, Callable[[Any, int], int]]]:
+    """name -> (which inputs it reads, run(inputs, beam) -> output tokens). Random weights, eval mode;
+    bf16 models on CUDA, as translate.py runs them."""
+    cuda = setup.device.type == "cuda"
+    decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens))}
+    # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that were its capture to fail
+    # the peers are measured already
+    graphed = {"ours, CUDA graphs": ("ours", ours_decoder(ours, args.new_tokens, graphs=True))}
+    graphed = graphed if cuda else {}
+    if "marian" not in peers:
+        if "ct2" in peers:
+            notes.append("CTranslate2 converts the Marian model, which needs transformers: skipped")
+        return decoders | graphed
+    torch.manual_seed(args.seed)
+    marian = build_marian(cfg).eval()
+    hf = ("marian", hf_decoder(marian, args.new_tokens))
+    if "ct2" in peers:
+        compute = args.ct2_compute if cuda else "float32"
+        try:
+            worker = Ct2Process(ct2_convert(marian, workdir), setup.device.type, compute, args.threads)
+            decoders[f"CTranslate2 {compute}"] = ("ct2", ct2_decoder(worker, args.new_tokens))
+        except (RuntimeError, ValueError) as error:
+            notes.append(f"CTranslate2 could not load the model on {setup.device.type}: {error}")
+    marian.to(setup.device, torch.bfloat16 if cuda else torch.float32)
+    decoders["HF generate"] = hf
+    return decoders | graphed
+
+
+def bench_decode_mode(
+    decoders: dict[str, tuple[str, Callable[[Any, int], int]]],
+    beam: int,
+    n: int,
+    cfg: ModelConfig,
+    setup: Setup,
+    args: argparse.Namespace,
+    notes: list[str],
+) -> dict[str, Any]:
+    """Every decoder on the same n sentences, interleaved run by run; medians."""
+    inputs = decode_inputs(cfg, n, args.src_len, args.seed)
+    inputs = {k: v.to(setup.device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+    few = n if setup.device.type == "cuda" else min(n, 4)  # a CPU needs no full-size warm-up
+    for name, (key, run) in list(decoders.items()):
+        try:
+            run(inputs[key][:few], beam)
+        except RuntimeError as error:  # e.g. CTranslate2 missing the CUDA libraries it loads at run time
+            if name == "ours":
+                raise
+            notes.append(f"{name} failed on {setup.device.type} and is left out: {error}")
+            del decoders[name]
+    runs = {name: (lambda _, k=key, run=run: run(inputs[k], beam)) for name, (key, run) in decoders.items()}
+    times = interleave(runs, args.decode_rounds, setup.device, f"decode beam {beam}")
+    rows = []
+    for name, results in times.items():
+        seconds = statistics.median(s for s, _ in results)
+        tokens = results[0][1]
+        if tokens != n * args.new_tokens:
+            notes.append(f"{name} (beam {beam}) produced {tokens} tokens, not {n} x {args.new_tokens}")
+        rows.append(
+            {
+                "decoder": name,
+                "tokens_per_s": tokens / seconds,
+                "sentences_per_s": n / seconds,
+                "seconds": seconds,
+                "output_tokens": tokens,
+                "run_times_s": [s for s, _ in results],
+            }
+        )
+    ours = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["ours_over_this"] = ours / r["tokens_per_s"]
+    return {"beam": beam, "sentences": n, "src_len": args.src_len, "new_tokens": args.new_tokens} | {
+        "rows": rows
+    }
+
+
+def section_decode(
+    args: argparse.Namespace, cfg: ModelConfig, setup: Setup, peers: set[str], notes: list[str]
+) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32  # as translate.py
+    ours = Transformer(cfg).eval().to(setup.device, dtype)
+    with tempfile.TemporaryDirectory() as workdir:
+        decoders = build_decoders(ours, cfg, setup, peers, args, Path(workdir), notes)
+        # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on
+        # a CPU; CTranslate2 packs its own when it loads the model)
+        with torch.inference_mode(), prepacked(search_weights(ours)):
+            return {
+                "beam4": bench_decode_mode(decoders, 4, args.beam_sentences, cfg, setup, args, notes),
+                "greedy": bench_decode_mode(decoders, 1, args.greedy_sentences, cfg, setup, args, notes),
+            }

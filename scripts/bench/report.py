@@ -1,0 +1,199 @@
+"""The report: tables of every section, the project's goals on the device (met or not), the JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.measure import PAD_MULTIPLE
+from bench.train import fastest_mode
+
+Column = tuple[str, str, str]  # header, key, format spec
+
+
+def print_table(title: str, columns: list[Column], rows: list[dict[str, Any]]) -> None:
+    cells = [[h for h, _, _ in columns]]
+    for row in rows:
+        cells.append(["n/a" if row.get(key) is None else format(row[key], spec) for _, key, spec in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    print(f"\n{title}")
+    for n, line in enumerate(cells):
+        justified = (c.ljust(w) if col[2] == "" else c.rjust(w) for c, w, col in zip(line, widths, columns))
+        print("  ".join(justified))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def print_train(train: dict[str, Any], meta: dict[str, Any]) -> None:
+    shape = train["shape"]
+    print_table(
+        f"train: one step at {shape['batch']} x {shape['length']} tokens ({shape['target_tokens']} target "
+        f"tokens), {meta['size']} dims, {meta['precision']}; median of {meta['steps']} interleaved steps; "
+        f"peak {train['peak_tflops']:.2f} TFLOP/s (best of {train['peak_how']}, measured in this run)",
+        [
+            ("model", "model", ""),
+            ("mode", "mode", ""),
+            ("params M", "params_m", ".1f"),
+            ("tokens/s", "tokens_per_s", ",.0f"),
+            ("ms/step", "ms_per_step", ".1f"),
+            ("GFLOP/step", "gflop_per_step", ".1f"),
+            ("MFU", "mfu", ".1%"),
+            ("step peak MiB", "step_peak_mib", ".0f"),
+            ("+ weights, Adam", "peak_total_mib", ".0f"),
+            ("1st step s", "first_step_s", ".1f"),
+            ("ours/this", "ours_over_this", ".2f"),
+        ],
+        train["fixed"],
+    )
+    sampled = train["sampled"]
+    pad = sampled["padding_fraction"]
+    print_table(
+        f"train on {sampled['batches']} TokenBudgetBatchSampler batches (budget {sampled['budget_tokens']}, "
+        f"{sampled['sentences_per_batch']:.0f} sentences, "
+        f"{sampled['real_tgt_tokens_per_batch']:.0f} real target tokens per batch; "
+        f"padding src {pad['src']:.1%}, tgt {pad['tgt']:.1%}), eager",
+        [
+            ("model", "model", ""),
+            ("mode", "mode", ""),
+            ("real tokens/s", "tokens_per_s", ",.0f"),
+            ("ours/this", "ours_over_this", ".2f"),
+        ],
+        sampled["rows"],
+    )
+    print_table(
+        f"the paper's budgets at our speed (25k target tokens per step; FLOPs per step big / "
+        f"{meta['size']}: {train['big_over_measured_flops_per_step']:.2f}, counted)",
+        [
+            ("budget", "budget", ""),
+            ("dims", "dims", ""),
+            ("basis", "basis", ""),
+            ("tokens/s", "tokens_per_s", ",.0f"),
+            ("hours", "hours", ",.1f"),
+            ("paper h (8 P100)", "paper_hours_8xP100", ".0f"),
+        ],
+        train["projections"],
+    )
+
+
+def print_decode(decode: dict[str, Any]) -> None:
+    for mode in decode.values():
+        print_table(
+            f"decode: beam {mode['beam']}{' (greedy)' * (mode['beam'] == 1)}, "
+            f"{mode['sentences']} sentences x {mode['src_len']} source "
+            f"tokens -> {mode['new_tokens']} output tokens each",
+            [
+                ("decoder", "decoder", ""),
+                ("tokens/s", "tokens_per_s", ",.0f"),
+                ("sentences/s", "sentences_per_s", ",.1f"),
+                ("s/run", "seconds", ".2f"),
+                ("ours/this", "ours_over_this", ".2f"),
+            ],
+            mode["rows"],
+        )
+
+
+def print_data(data: dict[str, Any]) -> None:
+    pad, one = data["padding_fraction"], data["padding_fraction_multiple_1"]
+    print(
+        f"\ndata: TokenBudgetBatchSampler on {data['pairs']:,} WMT-like pairs at {data['budget_tokens']:,} "
+        f"tokens: construct {data['construct_s']:.2f} s, epoch_batches {data['epoch_batches_s']:.2f} s; "
+        f"{data['batches']:,} batches of {data['sentences_per_batch']:.0f} sentences; "
+        f"padding src {pad['src']:.1%}, tgt {pad['tgt']:.1%}; budget used {pad['budget_use']:.1%} "
+        f"(lengths padded to multiples of {PAD_MULTIPLE}; to multiples of 1: padding src {one['src']:.1%}, "
+        f"tgt {one['tgt']:.1%}, budget used {one['budget_use']:.1%})"
+    )
+    if "prepare" in data:
+        p = data["prepare"]
+        print(
+            f"data: prepare() on {p['corpus_dir']}: {p['pairs_read']:,} pairs ({p['pairs_kept']:,} kept), "
+            f"BPE {p['vocab_size']:,}: {p['seconds']:.1f} s = {p['pairs_per_s']:,.0f} pairs/s"
+        )
+        r = p["batch_reading"]
+        print(
+            f"data: reading a training batch of the prepared corpus (ShardDataset.batch, budget "
+            f"{data['budget_tokens']:,} tokens, {r['sentences_per_batch']:.0f} sentences, first "
+            f"{r['batches']} batches): {r['ms_per_batch']:.2f} ms"
+        )
+
+
+# The goals of each device: (CPU, CUDA)
+TRAIN_GOAL = (1.3, 2.0)  # ours / torch.nn.Transformer (CUDA: compiled), training step tokens/s
+MEMORY_GOAL_GIB = 10.0  # CUDA: ours' peak (weights and Adam included) at the fixed ~25k-token shape
+DECODE_GOALS = {"CTranslate2": (1.2, 1.0), "HF generate": (2.0, 5.0)}  # beam 4, ours / peer
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The project's speed and memory goals on this run's device: ratios ours / peer, and on CUDA the
+    peak memory of a training step."""
+    cuda = report["meta"]["device"] == "cuda"
+    found = []
+    fixed = report["train"]["fixed"] if "train" in report else []
+    ours = fastest_mode(fixed, "ours") if fixed else None
+    if any(r["model"] == "nn.Transformer" for r in fixed):  # each in its fastest mode, as a user runs it
+        peer = fastest_mode(fixed, "nn.Transformer")
+        peer_compiled = [r for r in fixed if r["model"] == "nn.Transformer" and r["mode"] == "compiled"]
+        if cuda and peer_compiled:  # the GPU goal is stated against the compiled peer
+            peer = peer_compiled[0]
+        goal = f"train step, ours ({ours['mode']}) vs nn.Transformer ({peer['mode']})"
+        ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
+        found.append(
+            {"goal": goal, "ratio": ratio, "target": TRAIN_GOAL[cuda], "met": ratio >= TRAIN_GOAL[cuda]}
+        )
+    if cuda and ours is not None and ours["peak_total_mib"] is not None:
+        tokens = report["train"]["shape"]["target_tokens"]
+        gib = ours["peak_total_mib"] / 1024
+        goal = f"train step peak memory, ours ({ours['mode']}), {tokens:,} target tokens"
+        found.append({"goal": goal, "gib": gib, "target": MEMORY_GOAL_GIB, "met": gib <= MEMORY_GOAL_GIB})
+    if "decode" in report:
+        rows = report["decode"]["beam4"]["rows"]
+        fastest = max((r for r in rows if r["decoder"].startswith("ours")), key=lambda r: r["tokens_per_s"])
+        for r in rows:
+            name = r["decoder"]
+            goal = next((g[cuda] for prefix, g in DECODE_GOALS.items() if name.startswith(prefix)), None)
+            if goal is not None:
+                ratio = fastest["tokens_per_s"] / r["tokens_per_s"]
+                text = f"beam 4, {fastest['decoder']} vs {name}"
+                found.append({"goal": text, "ratio": ratio, "target": goal, "met": ratio >= goal})
+    return found
+
+
+def print_report(report: dict[str, Any]) -> None:
+    meta = report["meta"]
+    load = meta["load_average_at_end"]
+    print(
+        f"\n== benchmark: {meta['device_name']}, torch {meta['torch']}, {meta['size']} dims, "
+        f"{meta['threads']} CPU threads, {meta['seconds']:.0f} s in all; load average "
+        f"{'n/a' if load is None else f'{load[0]:.1f}'} at the end =="
+    )
+    if "train" in report:
+        print_train(report["train"], meta)
+    if "decode" in report:
+        print_decode(report["decode"])
+    if "data" in report:
+        print_data(report["data"])
+    if report["targets"]:
+        print("\ntargets on this device (ours / peer, and peak memory on CUDA):")
+        for t in report["targets"]:
+            verdict = "met" if t["met"] else "NOT met"
+            if "gib" in t:
+                print(f"  {t['goal']}: {t['gib']:.1f} GiB (target <= {t['target']:g} GiB: {verdict})")
+            else:
+                print(f"  {t['goal']}: {t['ratio']:.2f}x (target >= {t['target']}x: {verdict})")
+    for note in report["notes"]:
+        print(f"note: {note}")
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """Atomically: a temporary file in the same directory, flushed and synced, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        json.dump(report, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f.name, 0o666 & ~umask)  # the permissions of any new file, not the temporary file's 0600
+    os.replace(f.name, path)

@@ -1,0 +1,306 @@
+"""The train section: one optimizer step of each model at a fixed shape and on sampled WMT-like batches,
+FLOPs and model FLOP utilisation, peak memory, and the paper's training budgets at the measured speed."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from bench.data import wmt_like_lengths
+from bench.measure import (
+    FIRST_TOKEN,
+    PAD_MULTIPLE,
+    Setup,
+    count_flops,
+    interleave,
+    matmul_peak,
+    peak_memory,
+    release_free_memory,
+    timed,
+)
+from bench.peers import MarianPeer, OursObjective, TorchTransformerPeer
+from transformer.config import ModelConfig
+from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate
+
+BIG = ModelConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3)  # Table 3: big
+PAPER_BUDGETS = {  # §5.2: steps x ~25k target tokens per step; time the paper took on 8 P100 GPUs
+    "base": (100_000, 12.0),
+    "big": (300_000, 84.0),
+}
+PAPER_TOKENS_PER_STEP = 25_000
+LR = 1e-4  # any small constant: the schedule does not change a step's cost
+
+
+@dataclass
+class Trainee:
+    """One contender of the train section: a loss module (maybe compiled) and its Adam."""
+
+    name: str
+    mode: str  # "eager" | "compiled"
+    run: nn.Module  # what a step calls: the module, or torch.compile of it
+    module: nn.Module  # the eager module (FLOP counting, parameters)
+    optimizer: torch.optim.Optimizer
+
+
+def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: int, compile: bool) -> list:
+    """Every family eager, and compiled when asked (the same weights and Adam: compile wraps the module)."""
+    builders = {"ours": OursObjective, "nn.Transformer": TorchTransformerPeer, "Marian (HF)": MarianPeer}
+    trainees = []
+    for name in families:
+        torch.manual_seed(seed)
+        module = builders[name](cfg, setup.label_smoothing).to(setup.device).train()
+        optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        trainees.append(Trainee(name, "eager", module, module, optimizer))
+        if compile:
+            trainees.append(Trainee(name, "compiled", compiled(name, module), module, optimizer))
+    return trainees
+
+
+def compiled(name: str, module: nn.Module) -> nn.Module:
+    """Ours as `trainer.compile=true` compiles it (dynamic shapes: one graph for every batch shape);
+    the peers with static shapes, their fastest at one fixed shape."""
+    return torch.compile(module, dynamic=name == "ours")
+
+
+def train_step(trainee: Trainee, batch: Batch, setup: Setup) -> None:
+    """Forward, backward of the loss per target token, Adam update."""
+    with setup.autocast():
+        loss = trainee.run(batch.src, batch.tgt_in, batch.tgt_out)
+    (loss / batch.n_tgt_tokens).backward()
+    trainee.optimizer.step()
+    trainee.optimizer.zero_grad(set_to_none=True)
+
+
+def random_batch(cfg: ModelConfig, n: int, length: int, generator: torch.Generator) -> Batch:
+    """n sentences of exactly `length` source and target tokens, no padding."""
+    src = torch.randint(FIRST_TOKEN, cfg.vocab_size, (n, length), generator=generator)  # (B, S)
+    tgt = torch.randint(FIRST_TOKEN, cfg.vocab_size, (n, length + 1), generator=generator)  # (B, T + 1)
+    return Batch(src, tgt[:, :-1], tgt[:, 1:], n * length, n * length)
+
+
+def sampled_batches(cfg: ModelConfig, budget: int, count: int, seed: int) -> list[Batch]:
+    """`count` batches as training sees them: TokenBudgetBatchSampler over WMT-like lengths, collated
+    (padded to multiples of 8, as trainer.pad_to_multiple) from random token ids."""
+    src_len, tgt_len = wmt_like_lengths(200_000, seed, max_len=min(250, cfg.max_positions - 1))
+    sampler = TokenBudgetBatchSampler(src_len, tgt_len, budget, seed=seed, pad_to_multiple=PAD_MULTIPLE)
+    rng = np.random.default_rng(seed)
+    batches = []
+    for indices in sampler.epoch_batches(0)[:count]:
+        pairs = [
+            (rng.integers(FIRST_TOKEN, cfg.vocab_size, s), rng.integers(FIRST_TOKEN, cfg.vocab_size, t))
+            for s, t in zip(src_len[indices], tgt_len[indices])
+        ]
+        batches.append(collate(pairs, PAD_MULTIPLE))
+    return batches
+
+
+def padding_fraction(batches: list[Batch]) -> dict[str, float]:
+    """Share of padded positions among all positions, per side."""
+    src = sum(b.src.numel() for b in batches)
+    tgt = sum(b.tgt_out.numel() for b in batches)
+    return {
+        "src": 1 - sum(b.n_src_tokens for b in batches) / src,
+        "tgt": 1 - sum(b.n_tgt_tokens for b in batches) / tgt,
+    }
+
+
+def first_steps(trainees: list[Trainee], batch: Batch, setup: Setup, warmup: int) -> dict[int, float]:
+    """Run the untimed warm-up steps (compilation happens here); seconds of each one's first step."""
+    first = {}
+    for i, trainee in enumerate(tqdm(trainees, desc="train warm-up (and compile)", leave=False)):
+        for step in range(warmup):
+            seconds, _ = timed(partial(train_step, trainee, batch, setup), setup.device)
+            if step == 0:
+                first[i] = seconds
+    return first
+
+
+def step_costs(trainees: list[Trainee], batch: Batch, setup: Setup) -> tuple[dict[str, int], dict[int, Any]]:
+    """One more step of each model, for its peak memory (activations, gradients and transients above
+    the resident weights and Adam state) and, when eager, its FLOPs (a compiled model does the same
+    math: it gets its eager twin's count)."""
+    flops, memory = {}, {}
+    for i, trainee in enumerate(trainees):
+        step = partial(train_step, trainee, batch, setup)
+        with peak_memory(setup.device) as used:
+            if trainee.mode == "eager":
+                flops[trainee.name] = count_flops(step)
+            else:
+                step()
+        memory[i] = used["mib"]
+    return flops, memory
+
+
+def bench_fixed(
+    trainees: list[Trainee], batch: Batch, setup: Setup, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Fixed-shape steps: tokens/s, FLOPs, memory of every model; the models interleaved."""
+    first = first_steps(trainees, batch, setup, args.warmup)
+    flops, memory = step_costs(trainees, batch, setup)
+    runs = {i: (lambda _, t=t: train_step(t, batch, setup)) for i, t in enumerate(trainees)}
+    times = interleave(runs, args.steps, setup.device, "train steps")
+    resident = [resident_mib(t) for t in trainees]
+    rows = []
+    for i, t in enumerate(trainees):
+        seconds = statistics.median(s for s, _ in times[i])
+        rows.append(
+            {
+                "model": t.name,
+                "mode": t.mode,
+                "params_m": sum(p.numel() for p in t.module.parameters()) / 1e6,
+                "tokens_per_s": batch.n_tgt_tokens / seconds,
+                "ms_per_step": 1000 * seconds,
+                "gflop_per_step": flops[t.name] / 1e9,
+                "step_peak_mib": memory[i],
+                "resident_mib": resident[i],
+                "peak_total_mib": None if memory[i] is None else resident[i] + memory[i],
+                "first_step_s": first[i],
+                "step_times_s": [s for s, _ in times[i]],
+            }
+        )
+    add_ratios(rows)
+    return rows
+
+
+def resident_mib(trainee: Trainee) -> float:
+    """What a model keeps between steps: its weights and its optimizer's state (gradients are freed)."""
+    state = [v for s in trainee.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in [*trainee.module.parameters(), *state]) / 2**20
+
+
+def add_ratios(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> None:
+    """ours / this, against our row of the same mode."""
+    ours = {r["mode"]: r[key] for r in rows if r["model"] == "ours"}
+    for r in rows:
+        r["ours_over_this"] = ours[r["mode"]] / r[key] if r["mode"] in ours else None
+
+
+def bench_sampled(
+    trainees: list[Trainee], cfg: ModelConfig, setup: Setup, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The eager models on token-budget batches of WMT-like lengths (compiling every new batch shape
+    would dominate): real target tokens/s, padding, sentences per batch."""
+    batches = sampled_batches(cfg, args.budget_tokens, args.real_batches, args.seed)
+    batches = [b.to(setup.device) for b in batches]
+    eager = [t for t in trainees if t.mode == "eager"]
+    for t in eager:
+        train_step(t, batches[0], setup)  # warm-up on this section's shapes
+    runs = {i: (lambda r, t=t: train_step(t, batches[r], setup)) for i, t in enumerate(eager)}
+    times = interleave(runs, len(batches), setup.device, "sampled-batch steps")
+    real = sum(b.n_tgt_tokens for b in batches)
+    rows = [
+        {"model": t.name, "mode": t.mode, "tokens_per_s": real / sum(s for s, _ in times[i])}
+        for i, t in enumerate(eager)
+    ]
+    add_ratios(rows)
+    return {
+        "budget_tokens": args.budget_tokens,
+        "batches": len(batches),
+        "sentences_per_batch": statistics.mean(b.src.size(0) for b in batches),
+        "real_tgt_tokens_per_batch": real / len(batches),
+        "padding_fraction": padding_fraction(batches),
+        "rows": rows,
+    }
+
+
+def meta_step_flops(cfg: ModelConfig, batch: int, length: int) -> int:
+    """FLOPs of one training step of our model, counted on the meta device (no memory, no time)."""
+    with torch.device("meta"):
+        objective = OursObjective(cfg, 0.1)
+        src = torch.randint(FIRST_TOKEN, cfg.vocab_size, (batch, length))
+        tgt = torch.randint(FIRST_TOKEN, cfg.vocab_size, (batch, length))
+    return count_flops(lambda: objective(src, tgt, tgt).backward())
+
+
+def bench_big(setup: Setup, batch: Batch, args: argparse.Namespace) -> float:
+    """Target tokens/s of the big model (compiled), at the fixed shape."""
+    [trainee] = build_trainees(BIG, ["ours"], setup, args.seed, compile=False)
+    trainee = replace(trainee, mode="compiled", run=compiled("ours", trainee.module))
+    first_steps([trainee], batch, setup, args.warmup)
+    times = interleave(
+        {0: lambda _: train_step(trainee, batch, setup)}, args.steps, setup.device, "big steps"
+    )
+    return batch.n_tgt_tokens / statistics.median(s for s, _ in times[0])
+
+
+def fastest_mode(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    """The row of `model` in its fastest mode (eager or compiled)."""
+    return max((r for r in rows if r["model"] == model), key=lambda r: r["tokens_per_s"])
+
+
+def projections(
+    fixed: list[dict[str, Any]],
+    sampled: dict[str, Any],
+    size: str,
+    flop_ratio: float,
+    big_tokens_per_s: float | None,
+) -> list[dict[str, Any]]:
+    """Wall time of the paper's training budgets (§5.2) at our measured speed: the base budget at the
+    measured dims; the big budget at the big dims, measured (`--big`, fixed shape) or the measured speed
+    x (FLOPs per step of the measured dims / of the big dims, both counted), i.e. at equal MFU."""
+    ours_sampled = next(r for r in sampled["rows"] if r["model"] == "ours")
+    speeds = [
+        ("fixed shape, best mode", fastest_mode(fixed, "ours")["tokens_per_s"]),
+        ("sampled batches, eager, real tokens", ours_sampled["tokens_per_s"]),
+    ]
+    rows = []
+    for basis, speed in speeds:
+        for budget, (steps, paper_hours) in PAPER_BUDGETS.items():
+            measured = budget == "big" and big_tokens_per_s is not None and basis.startswith("fixed")
+            if budget == "base" or measured:
+                dims, tokens_per_s = (size if budget == "base" else "big"), (big_tokens_per_s or speed)
+            else:
+                dims, tokens_per_s = f"big, from {size} x counted FLOPs", speed * flop_ratio
+            rows.append(
+                {
+                    "budget": f"{budget} ({steps // 1000}k steps)",
+                    "dims": dims,
+                    "basis": basis,
+                    "tokens_per_s": tokens_per_s,
+                    "hours": steps * PAPER_TOKENS_PER_STEP / tokens_per_s / 3600,
+                    "paper_hours_8xP100": paper_hours,
+                }
+            )
+    return rows
+
+
+def section_train(
+    args: argparse.Namespace, cfg: ModelConfig, setup: Setup, peers: set[str]
+) -> dict[str, Any]:
+    """Fixed-shape and sampled-batch steps, model FLOP utilisation against the better of two matmul peaks
+    (measured before and after the timed steps: on a shared machine either may meet a busy moment),
+    and the projections of the paper's budgets."""
+    families = ["ours"] + ["nn.Transformer"] * ("torch" in peers) + ["Marian (HF)"] * ("marian" in peers)
+    batch = random_batch(cfg, args.batch, args.length, torch.Generator().manual_seed(args.seed))
+    batch = batch.to(setup.device)
+    trainees = build_trainees(cfg, families, setup, args.seed, args.compile)
+    peak, how = matmul_peak(setup.device)
+    fixed = bench_fixed(trainees, batch, setup, args)
+    peak = max(peak, matmul_peak(setup.device)[0])
+    for row in fixed:
+        row["mfu"] = row["gflop_per_step"] * 1e9 / (row["ms_per_step"] / 1000) / peak
+    sampled = bench_sampled(trainees, cfg, setup, args)
+    del trainees
+    release_free_memory(setup.device)
+    big_cfg = replace(BIG, vocab_size=cfg.vocab_size)
+    shape = (args.batch, args.length)
+    flop_ratio = meta_step_flops(cfg, *shape) / meta_step_flops(big_cfg, *shape)
+    big = bench_big(setup, batch, args) if args.big else None
+    return {
+        "shape": {"batch": args.batch, "length": args.length, "target_tokens": batch.n_tgt_tokens},
+        "peak_tflops": peak / 1e12,
+        "peak_how": how,
+        "fixed": fixed,
+        "sampled": sampled,
+        "big_over_measured_flops_per_step": 1 / flop_ratio,
+        "big_tokens_per_s": big,
+        "projections": projections(fixed, sampled, args.size, flop_ratio, big),
+    }
