@@ -340,23 +340,33 @@ class _NoHostValues(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@torch.inference_mode()  # as static_beam_search runs its steps
 def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory():
-    """What a CUDA graph replays must be the same kernels on the same memory at every step: a step
-    (checked op by op) reads no device value and leaves every state tensor where it was."""
+    """What a CUDA graph replays must be the same kernels on the same memory: a step (checked op by op)
+    reads no device value, and it leaves every state tensor where it was, except the self-attention
+    cache, which swaps between two pairs of buffers (two graphs, replayed in turn)."""
     model = tiny_model(seed=2)
     state = static_search._start(model, sources([4, 7, 2], 24), 3, 0.6, 1.0, 5)
 
-    def layout() -> list[tuple]:
-        tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
-        tensors += [t for kv in state.self_kv + state.cross_kv for t in (kv.k, kv.v)]
+    def layout(tensors: list[torch.Tensor]) -> list[tuple]:
         return [(t.data_ptr(), t.shape, t.stride()) for t in tensors]
 
-    start, scores = layout(), []
+    def fixed() -> list[tuple]:
+        tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
+        return layout(tensors + [t for kv in state.cross_kv for t in (kv.k, kv.v)])
+
+    def cache() -> list[tuple]:
+        return layout([t for kv in state.self_kv for t in (kv.k, kv.v, *kv.spare)])
+
+    start, caches, scores = fixed(), [cache()], []
     for _ in range(4):
         with _NoHostValues():
             static_search._step(model, state, 3, 0.6, 0)
-        assert layout() == start
+        assert fixed() == start
+        caches.append(cache())
         scores.append(state.scores.clone())
+    assert caches[0] == caches[2] == caches[4] and caches[1] == caches[3]  # two layouts, in turn
+    assert caches[0] != caches[1] and sorted(caches[0]) == sorted(caches[1])  # the same buffers swapped
     assert int(state.position) == 4 and not torch.equal(scores[0], scores[-1])  # it did advance
     # the mode does catch a host read
     with pytest.raises(AssertionError, match="_local_scalar_dense"), _NoHostValues():

@@ -140,13 +140,16 @@ class GrowingKV:
 
 class StaticKV:
     """Decoder self-attention keys and values in buffers of a fixed length L, (B, H_kv, L, d), written at
-    a position held in a device tensor: every decoding step has the same shapes and the same memory,
-    as a CUDA graph needs (`static_search`). Attention reads all L positions; `key_mask` hides those
-    not written yet. The position and the mask are shared by every layer and advanced by the search.
+    a position held in a device tensor: every decoding step has the same shapes, and every other step
+    the same memory, as CUDA graphs need (`static_search`). Attention reads all L positions; `key_mask`
+    hides those not written yet. The position and the mask are shared by every layer and advanced by
+    the search. A beam reorder copies into a second pair of buffers, which then swap roles with the
+    first: one copy instead of a copy out and a copy back.
     """
 
     def __init__(self, k: Tensor, v: Tensor, position: Tensor, key_mask: Tensor) -> None:
         self.k, self.v = k, v  # (B, H_kv, L, d_k), (B, H_kv, L, d_v)
+        self.spare = torch.empty_like(k), torch.empty_like(v)  # the next reorder's target
         self.position = position  # () long: where the next append writes
         self.key_mask = key_mask  # (1, L) bool: True at positions <= position
 
@@ -163,9 +166,10 @@ class StaticKV:
         return self
 
     def reorder_(self, rows: Tensor) -> None:
-        """Row i becomes row rows[i] (B,), in place; a row may repeat (the beams of one hypothesis)."""
-        self.k.copy_(self.k.index_select(0, rows))
-        self.v.copy_(self.v.index_select(0, rows))
+        """Row i becomes row rows[i] (B,); a row may repeat (the beams of one hypothesis)."""
+        torch.index_select(self.k, 0, rows, out=self.spare[0])
+        torch.index_select(self.v, 0, rows, out=self.spare[1])
+        (self.k, self.v), self.spare = self.spare, (self.k, self.v)
 
 
 def reference_attention(

@@ -2,9 +2,11 @@
 
 On a GPU a decoding step of the base model is ~180 small kernels of a few microseconds of math each:
 the step is bound by the host launching them, not by the device. Here every tensor a step reads or
-writes is allocated before the first step and keeps its shape and memory, and the step itself (the
-decoder, the output projection, the ranking of candidates, the bookkeeping) never reads a value on
-the host. So the step is recorded once per batch as a CUDA graph and replayed: one launch per step.
+writes is allocated before the first step and keeps its shape, and the step itself (the decoder, the
+output projection, the ranking of candidates, the bookkeeping) never reads a value on the host. So a
+step is recorded once per batch as a CUDA graph and replayed: one launch per step. (Two graphs, replayed
+in turn: a beam reorder moves the self-attention cache into a second pair of buffers, so even and odd
+steps use different memory.)
 
 The rules are those of `decoding.beam_search`; the work takes another shape:
 - all N x k beams decode from step 1 (there, k - 1 of each sentence's beams start at log P = -inf);
@@ -19,6 +21,7 @@ On a CPU the same step runs eagerly, without a graph: that is how the tests comp
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -135,16 +138,20 @@ def _finish(s: _State, scores: Tensor, tokens: Tensor, length: Tensor) -> None:
 
 def _graphed(step: Callable[[], None]) -> Callable[[], None]:
     """Run step once eagerly (on a side stream: the warm-up CUDA graph capture asks for), then record
-    it as a CUDA graph (recording runs nothing); returns the graph's replay."""
+    the next two steps as CUDA graphs (recording runs nothing): a beam reorder swaps the buffers of the
+    self-attention cache, so every other step reads and writes the same memory. Returns a replay of the
+    two graphs in turn."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         step()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    for graph in graphs:
+        with torch.cuda.graph(graph):
+            step()
+    turns = itertools.cycle(graphs)
+    return lambda: next(turns).replay()
 
 
 @torch.inference_mode()
@@ -159,7 +166,7 @@ def static_beam_search(
     graph: bool | None = None,
 ) -> SearchResult:
     """`decoding.beam_search` in static shapes on src (N, S); with graph (default: on CUDA) the first
-    step is recorded as a CUDA graph and every later step replays it."""
+    step runs eagerly and every later one is a CUDA graph replay."""
     graph = src.is_cuda if graph is None else graph
     if graph and not src.is_cuda:
         raise ValueError("a CUDA graph needs the model and src on a CUDA device")
