@@ -22,6 +22,8 @@ from transformer.data.dataset import ShardDataset
 from transformer.training import train
 from transformer.training.checkpoint import list_checkpoints, load_checkpoint
 from transformer.training.loss import smoothed_cross_entropy
+from transformer.training.monitor import Monitor
+from transformer.training.schedule import inverse_sqrt_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -117,6 +119,34 @@ def test_resume_from_an_explicit_checkpoint_into_a_new_run_directory(corpus, uni
     train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=12", f"trainer.resume={start}")))
     final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_12.pt")
     assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt"))
+
+
+def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(
+    corpus, uninterrupted, tmp_path, monkeypatch
+):
+    """After a divergence the README says: lower optim.lr_scale (or raise warmup_steps) and resume. The
+    resumed run's settings, not those saved with Adam's state, make the very next update."""
+    rates = {}
+    record = Monitor.step
+
+    def step(self, step, stats):
+        rates[step] = stats["lr"]
+        record(self, step, stats)
+
+    monkeypatch.setattr(Monitor, "step", step)
+    start = uninterrupted / "checkpoints" / "checkpoint_7.pt"
+    changed = ["optim.lr_scale=0.5", "optim.warmup_steps=20", "optim.beta2=0.9", "optim.weight_decay=0.01"]
+    train(
+        compose_config(
+            overrides(corpus, tmp_path, "trainer.max_steps=9", f"trainer.resume={start}", *changed)
+        )
+    )
+    d_model = 32
+    assert rates == {s: pytest.approx(inverse_sqrt_lr(s, d_model, 20, 0.5)) for s in (8, 9)}
+    final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_9.pt")
+    [group] = final["optimizer"]["param_groups"]
+    assert (group["betas"], group["weight_decay"]) == ((0.9, 0.9), 0.01)
+    assert final["config"]["optim"]["lr_scale"] == 0.5
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(

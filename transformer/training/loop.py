@@ -230,6 +230,7 @@ class Run:
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        self._apply_optim_settings(ckpt.get("config", {}).get("optim", {}))
         self.sampler.load_state_dict(ckpt["data_state"])
         self.step = int(ckpt["step"])
         rngs, rank = ckpt["rng"], self.runtime.rank
@@ -245,6 +246,24 @@ class Run:
             )
             _seed_everything(self.cfg.trainer.seed + rank + self.step)
         log.info("resumed from %s at step %d (epoch %d)", path, self.step, self.sampler.epoch)
+
+    def _apply_optim_settings(self, saved: dict[str, Any]) -> None:
+        """This run's optim settings over those Adam's state was saved with (the README's advice after a
+        divergence: a lower lr_scale or a longer warmup, then resume), from the next update on."""
+        cfg = self.cfg.optim
+        changed = {k: (saved[k], v) for k, v in to_dict(cfg).items() if k in saved and saved[k] != v}
+        if changed:
+            log.info(
+                "resumed with other optim settings: %s",
+                ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+            )
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group.update(
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                lr=factor(self.scheduler.last_epoch),  # the schedule of this run (base lr 1.0)
+            )
 
 
 def _check_resume_setting(t: TrainerConfig, run_dir: Path) -> None:
