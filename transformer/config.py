@@ -40,7 +40,6 @@ class ModelConfig:
     positional: str = "sinusoidal"  # "learned" = Table 3, row E
     attention_dropout: float = 0.0  # dropout on attention weights; the paper has none
     max_positions: int = 1024  # longest sequence the positional table covers
-    pad_id: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
@@ -70,10 +69,6 @@ class ModelConfig:
         _check(
             self.positional in ("sinusoidal", "learned"),
             f"model.positional={self.positional!r} must be 'sinusoidal' or 'learned'",
-        )
-        _check(
-            0 <= self.pad_id < self.vocab_size,
-            f"model.pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}",
         )
 
 

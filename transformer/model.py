@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from transformer.attention import KV, GrowingKV, MultiHeadAttention
 from transformer.config import ModelConfig
+from transformer.data.tokenizer import PAD_ID
 from transformer.layers import DecoderLayer, Embeddings, EncoderLayer
 from transformer.linear import linear
 
@@ -80,7 +81,7 @@ class Transformer(nn.Module):
 
     def src_mask(self, src: Tensor) -> Tensor:
         """(B, S) bool, True = a real (non-pad) source token."""
-        return src != self.cfg.pad_id
+        return src != PAD_ID
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """src: (B, S) token ids -> memory (B, S, d_model)."""

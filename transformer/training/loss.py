@@ -24,6 +24,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
+from transformer.data.tokenizer import PAD_ID
 from transformer.linear import linear, weight_grad
 from transformer.model import Transformer
 
@@ -139,5 +140,5 @@ class Seq2SeqLoss(nn.Module):
             model.embed.weight,  # (V, d_model)
             tgt_out.reshape(-1),
             self.label_smoothing,
-            model.cfg.pad_id,
+            PAD_ID,
         )
