@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # also runs from a che
 
 from transformer.config import ConfigError, TrainConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
-from transformer.finish import finish  # noqa: E402
+from transformer.finish import check_finish, finish  # noqa: E402
 from transformer.training import TrainingError, train  # noqa: E402
 from transformer.training.checkpoint import CheckpointError  # noqa: E402
 
@@ -33,6 +33,7 @@ def main(cfg: DictConfig) -> None:
         cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
     try:
         config = from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
+        check_finish(config)
         run_dir = train(config)
         if int(os.environ.get("RANK", "0")) == 0:  # average, evaluate, show translations (finish.*)
             finish(config, run_dir)

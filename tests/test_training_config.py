@@ -163,6 +163,32 @@ def test_bad_values_fail_before_any_work():
         composed("data.lowercase=maybe")  # a non-empty string would pass as true
     with pytest.raises(ConfigError, match=r"model.norm_first=1 must be true or false"):
         composed("model.norm_first=1")
+    # a value of the wrong type is named, not a TypeError deep in the run
+    with pytest.raises(ConfigError, match=r"trainer.max_steps='abc' must be a whole number"):
+        composed("trainer.max_steps=abc")
+    with pytest.raises(ConfigError, match=r"trainer.seed=1.5 must be a whole number"):
+        composed("trainer.seed=1.5")
+    with pytest.raises(ConfigError, match=r"trainer.save_every_minutes='ten' must be a number"):
+        composed("trainer.save_every_minutes=ten")
+    with pytest.raises(ConfigError, match=r"finish.examples='hello' must be a list"):
+        composed("finish.examples=hello")
+    assert composed("optim.lr_scale=2").optim.lr_scale == 2  # a whole number is a number
+    assert composed("name=2024").name == "2024"  # Hydra reads it as a number
+    with pytest.raises(ConfigError, match=r"finish.evaluate_split='dev' must be valid, test or null"):
+        composed("finish.evaluate_split=dev")
+
+
+def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):
+    """An evaluation split the corpus lacks is reported before training starts, not after 100k steps."""
+    done = run_cli(
+        "experiment=demo", "finish.evaluate_split=test", "~data.splits.test", f"trainer.run_dir={tmp_path}"
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: finish.evaluate_split=test: data toy has no 'test' split (it has: train, valid); "
+        "choose another or finish.evaluate_split=null"
+    )
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

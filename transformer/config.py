@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,7 +238,12 @@ class FinishConfig:
 
     def __post_init__(self) -> None:
         _check(self.average_last >= 0, "finish.average_last must be >= 0")
+        _check(
+            self.evaluate_split in (None, "valid", "test"),
+            f"finish.evaluate_split={self.evaluate_split!r} must be valid, test or null",
+        )
         _check(self.beam_size >= 1, "finish.beam_size must be >= 1")
+        _check(self.alpha >= 0, f"finish.alpha={self.alpha} must be >= 0")
 
 
 @dataclass
@@ -349,10 +355,32 @@ def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
         hint = hints[key]
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
             value = from_dict(hint, value, f"{where}{key}.")
-        elif hint is bool and not isinstance(value, bool):  # "maybe" or 1 would pass as truthy
-            raise ConfigError(f"{where}{key}={value!r} must be true or false")
+        else:
+            value = _typed(hint, value, f"{where}{key}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _typed(hint: Any, value: Any, name: str) -> Any:
+    """value as a field of type `hint` takes it, or a ConfigError that names the setting: a typo such as
+    trainer.max_steps=abc fails here, not as a TypeError deep in the run."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    kind = typing.get_origin(hint) or hint
+    if kind is bool and not isinstance(value, bool):  # "maybe" or 1 would pass as truthy
+        raise ConfigError(f"{name}={value!r} must be true or false")
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ConfigError(f"{name}={value!r} must be a whole number")
+    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise ConfigError(f"{name}={value!r} must be a number")
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # Hydra reads name=2024 as a number
+    names = {str: "a string", list: "a list", dict: "a mapping"}
+    if kind in names and not isinstance(value, kind):
+        raise ConfigError(f"{name}={value!r} must be {names[kind]}")
+    return value
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

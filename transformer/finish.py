@@ -7,7 +7,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from transformer.config import DecodeConfig, EvaluateConfig, TrainConfig
+from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
+from transformer.data.sources import split_names
 from transformer.evaluation import evaluate_checkpoint
 from transformer.training.checkpoint import (
     atomic_save,
@@ -18,6 +19,16 @@ from transformer.training.checkpoint import (
 )
 from transformer.translation import Translator
 from transformer.visualize import draw_attention
+
+
+def check_finish(cfg: TrainConfig) -> None:
+    """What the finish stage will need, checked before training instead of after it."""
+    split, roles = cfg.finish.evaluate_split, split_names(cfg.data)
+    if split is not None and split not in roles:
+        raise ConfigError(
+            f"finish.evaluate_split={split}: data {cfg.data.name} has no '{split}' split (it has: "
+            f"{', '.join(roles)}); choose another or finish.evaluate_split=null"
+        )
 
 
 def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
