@@ -16,9 +16,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer.config import TrainConfig, from_dict
+from transformer.config import ConfigError, TrainConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
+from transformer.data.prepare import prepare
 from transformer.training import train
 from transformer.training.checkpoint import list_checkpoints, load_checkpoint
 from transformer.training.loss import smoothed_cross_entropy
@@ -147,6 +148,19 @@ def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(
     [group] = final["optimizer"]["param_groups"]
     assert (group["betas"], group["weight_decay"]) == ((0.9, 0.9), 0.01)
     assert final["config"]["optim"]["lr_scale"] == 0.5
+
+
+def test_pairs_longer_than_the_positional_table_fail_before_the_first_step(corpus, tmp_path):
+    args = overrides(corpus, tmp_path, "trainer.max_steps=2", "trainer.pad_to_multiple=8")
+    prepare(compose_config(args).data)
+    train_set = ShardDataset(corpus.parent / "prepared", "train")
+    longest = int(max(train_set.src_lengths.max(), train_set.tgt_lengths.max())) + 1  # + EOS
+    needed = -(-longest // 8) * 8  # padded as the batches are
+    with pytest.raises(ConfigError, match=f"the train split's longest pair needs {needed} positions"):
+        train(compose_config([*args, f"model.max_positions={needed - 1}"]))
+    assert not (tmp_path / "checkpoints").exists()
+    train(compose_config([*args, f"model.max_positions={needed}"]))  # just enough
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_2.pt"]
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(

@@ -90,6 +90,7 @@ def train(cfg: TrainConfig) -> Path:
         data_dir = Path(cfg.data.dir)
         meta = load_meta(data_dir)
         train_set = ShardDataset(data_dir, "train")
+        _check_lengths(train_set, t.pad_to_multiple, cfg.model.max_positions)
         sampler = TokenBudgetBatchSampler(
             train_set.src_lengths,
             train_set.tgt_lengths,
@@ -130,7 +131,7 @@ def train(cfg: TrainConfig) -> Path:
         # --- loop: one optimizer step per iteration; checkpoints at step boundaries
         accum = t.grad_accum(runtime.world_size)
         _log_start(run, accum)
-        valid = _valid_batches(data_dir, meta, t, runtime)
+        valid = _valid_batches(data_dir, meta, t, runtime, cfg.model.max_positions)
         eval_module = objective.module if runtime.distributed else objective  # no gradient sync needed
         batches = _batches_forever(sampler, train_set, t.pad_to_multiple, runtime.device)
         peak = bf16_peak_flops(runtime.device) if runtime.dtype == torch.bfloat16 else None
@@ -335,13 +336,28 @@ def _batches_forever(
             yield dataset.batch(indices, pad).to(device, non_blocking=True)
 
 
+def _check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: int) -> None:
+    """A pair longer than the positional table would fail at its first batch, maybe hours into the run;
+    the lengths are at hand, so it fails now."""
+    longest = int(max(dataset.src_lengths.max(), dataset.tgt_lengths.max())) + 1  # + EOS (or BOS)
+    positions = -(-longest // pad_to_multiple) * pad_to_multiple  # as the batches pad it
+    if positions > max_positions:
+        raise ConfigError(
+            f"the {dataset.role} split's longest pair needs {positions} positions ({longest - 1} pieces "
+            f"+ EOS, padded to a multiple of trainer.pad_to_multiple={pad_to_multiple}), more than "
+            f"model.max_positions={max_positions}; raise model.max_positions or prepare the data with a "
+            "lower data.max_tokens_per_sentence"
+        )
+
+
 def _valid_batches(
-    data_dir: Path, meta: dict[str, Any], t: TrainerConfig, runtime: Runtime
+    data_dir: Path, meta: dict[str, Any], t: TrainerConfig, runtime: Runtime, max_positions: int
 ) -> list[Batch] | None:
     """This rank's share of the `valid` split, batched once; None when there is none or eval is off."""
     if "valid" not in meta["splits"] or t.eval_every_steps == 0:
         return None
     valid = ShardDataset(data_dir, "valid")
+    _check_lengths(valid, t.pad_to_multiple, max_positions)
     sampler = TokenBudgetBatchSampler(
         valid.src_lengths,
         valid.tgt_lengths,
