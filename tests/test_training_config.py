@@ -130,8 +130,8 @@ def test_unknown_key_is_refused_by_hydra():
         composed("trainer.nonsense=1")
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, ROOT / "train.py", *args], capture_output=True, text=True, env=env)
 
 
@@ -195,3 +195,15 @@ def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):
 def test_cuda_requested_without_a_gpu(tmp_path):
     with pytest.raises(ConfigError, match="no CUDA device"):
         train(composed(f"trainer.run_dir={tmp_path}", "trainer.device=cuda"))
+
+
+def test_one_named_gpu_for_every_torchrun_process_is_refused(tmp_path):
+    """Under torchrun each process takes the GPU of its LOCAL_RANK; cuda:N would put them all on one."""
+    ranks = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    done = run_cli("trainer.device=cuda:1", f"trainer.run_dir={tmp_path}", env=ranks)
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: trainer.device=cuda:1 would put all 2 processes on one GPU")
+    )

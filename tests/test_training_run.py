@@ -21,7 +21,13 @@ from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
 from transformer.data.prepare import prepare
 from transformer.training import train
-from transformer.training.checkpoint import list_checkpoints, load_checkpoint
+from transformer.training.checkpoint import (
+    CheckpointError,
+    atomic_save,
+    average_checkpoints,
+    list_checkpoints,
+    load_checkpoint,
+)
 from transformer.training.loss import smoothed_cross_entropy
 from transformer.training.monitor import Monitor
 from transformer.training.schedule import inverse_sqrt_lr
@@ -161,6 +167,18 @@ def test_pairs_longer_than_the_positional_table_fail_before_the_first_step(corpu
     assert not (tmp_path / "checkpoints").exists()
     train(compose_config([*args, f"model.max_positions={needed}"]))  # just enough
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_2.pt"]
+
+
+def test_an_averaged_checkpoint_is_refused_for_resuming_before_the_data_is_prepared(
+    corpus, uninterrupted, tmp_path
+):
+    averaged = tmp_path / "average.pt"
+    atomic_save(average_checkpoints(list_checkpoints(uninterrupted)[-2:]), averaged)
+    args = overrides(corpus, tmp_path / "run", "trainer.max_steps=12", f"trainer.resume={averaged}")
+    args.append(f"data.dir={tmp_path / 'unprepared'}")
+    with pytest.raises(CheckpointError, match="cannot resume training: it has no optimizer"):
+        train(compose_config(args))
+    assert not (tmp_path / "unprepared").exists()
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(

@@ -55,7 +55,7 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
     """Pick the device and precision, and join the process group when launched by torchrun."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device(cfg.device, local_rank)
+    device = _device(cfg.device, local_rank, world_size)
     dtype = _precision(cfg.precision, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -69,7 +69,13 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
     return runtime
 
 
-def _device(name: str, local_rank: int) -> torch.device:
+def _device(name: str, local_rank: int, world_size: int) -> torch.device:
+    if name.startswith("cuda:") and world_size > 1:  # one GPU for every process: NCCL would refuse late
+        raise ConfigError(
+            f"trainer.device={name} would put all {world_size} processes on one GPU; with torchrun use "
+            "trainer.device=cuda (each process takes the GPU of its LOCAL_RANK) and choose the GPUs with "
+            "CUDA_VISIBLE_DEVICES"
+        )
     if name == "auto":
         return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -83,6 +83,8 @@ def train(cfg: TrainConfig) -> Path:
     _check_resume_setting(t, run_dir)
     runtime = init_runtime(t)
     try:
+        # a checkpoint that cannot resume this run is refused before the data is prepared
+        found = _find_resume(t, run_dir) if t.resume != "never" else None
         # --- data: rank 0 prepares the corpus (a quick check when it is ready), the others wait
         if runtime.is_main:
             prepare(cfg.data)
@@ -124,7 +126,6 @@ def train(cfg: TrainConfig) -> Path:
         )
 
         # --- resume: weights, Adam's moments, schedule, data position and RNG states
-        found = _find_resume(t, run_dir) if t.resume != "never" else None
         if found is not None:
             run.restore(*found)
 
