@@ -87,7 +87,7 @@ def test_defaults_are_the_paper_recipe():
         64,
         0.1,
     )
-    assert (t.tokens_per_step, t.max_steps) == (25000, 100000)
+    assert (t.tokens_per_step, t.max_steps) == (28672, 100000)
     assert cfg.data.name == "wmt14_en_de"
 
 

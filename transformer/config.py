@@ -175,8 +175,8 @@ class TrainerConfig:
 
     run_dir: str = "runs/default"
     max_steps: int = 100000  # optimizer steps (base: 100k, big: 300k)
-    tokens_per_step: int = 25000  # target tokens per optimizer step (§5.2: ~25k source + ~25k target)
-    max_tokens: int = 12500  # padded tokens per batch per rank, at most (memory); see batch_tokens
+    tokens_per_step: int = 28672  # padded tokens per optimizer step: ~25k real target tokens (§5.1)
+    max_tokens: int = 14336  # padded tokens per batch per rank, at most (memory); see batch_tokens
     pad_to_multiple: int = 8  # pad batch lengths to a multiple of this (aligned matmuls)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
