@@ -1,6 +1,7 @@
 """BLEU of a checkpoint on one split of a corpus, beside the paper's figures (§6.1, Tables 2-3).
 
-  python scripts/evaluate.py checkpoint=runs/base/checkpoints/checkpoint_avg.pt data=wmt14_en_de split=test
+  python scripts/evaluate.py data=wmt14_en_de split=test \
+      checkpoint=runs/paper_base/checkpoints/checkpoint_average_last5.pt
   python scripts/evaluate.py checkpoint=... data=multi30k data.source=local data.path=../shared/data/multi30k
 
 Writes <checkpoint>.<data>.<split>.<search>.bleu.json and .hyp.<lang> beside the checkpoint (search:

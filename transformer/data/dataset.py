@@ -1,7 +1,8 @@
 """Read prepared shards: one split of a corpus as a random-access dataset over memory-mapped files.
 
 The .bin files are memory-mapped, never loaded: a 4.5M-pair WMT14 training set costs only the offsets
-(16 bytes per pair) in RAM, and DataLoader workers share the operating system's page cache.
+(16 bytes per pair) in RAM, and processes reading it (the ranks of one machine) share the operating
+system's page cache.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ShardDataset:
         self._check_sizes()
         self.src_lengths = np.diff(self._src_offsets)  # (n,) pieces per source sentence
         self.tgt_lengths = np.diff(self._tgt_offsets)  # (n,) pieces per target sentence
-        self._ids: list[np.ndarray] | None = None  # opened lazily, so each DataLoader worker maps its own
+        self._ids: list[np.ndarray] | None = None  # opened lazily, by the process that reads
 
     def _check_sizes(self) -> None:
         expected = self.meta["splits"][self.role]["pairs"]
