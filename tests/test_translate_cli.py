@@ -113,6 +113,26 @@ def test_sorted_batches_come_back_in_input_order(tiny_checkpoint):
     assert len({len(line) for line in together if line}) > 1  # the outputs really differ
 
 
+def test_a_batch_holds_at_most_max_sentences(tiny_checkpoint, monkeypatch):
+    """Short lines fit the source-token budget by the hundred; max_sentences bounds a batch (and with it
+    the decoder's cache) without changing any translation."""
+    lines = [f"Ein Hund {i}." for i in range(11)] + ["The cat sees the house."]
+    unbounded = Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint)))
+    bounded = Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), max_sentences=4))
+    sizes, search = [], Translator.search
+
+    def recording(self, src):
+        sizes.append(src.size(0))
+        return search(self, src)
+
+    monkeypatch.setattr(Translator, "search", recording)
+    expected = unbounded.translate(lines)
+    assert sizes == [12]  # one batch within the token budget
+    sizes.clear()
+    assert bounded.translate(lines) == expected
+    assert sizes == [4, 4, 4]
+
+
 def test_split_input_splits_on_newline_only():
     data = "a\u2028b\x0cc\r\n\nd\xff".encode() + b"\xff\n"
     assert split_input(data) == ["a\u2028b\x0cc", "", "d\xff\ufffd"]
@@ -124,6 +144,7 @@ def test_split_input_splits_on_newline_only():
     [
         ({"beam_size": "abc"}, "beam_size='abc' must be a whole number"),
         ({"beam_size": 0}, "beam_size=0 must be at least 1"),
+        ({"max_sentences": 0}, "max_sentences=0 must be positive"),
         ({"alpha": "high"}, "alpha='high' must be a number"),
         ({"device": "tpu"}, "device='tpu' must be"),
         ({"text": "a", "input": "b.txt"}, "either text=... or input=FILE"),

@@ -268,6 +268,7 @@ class DecodeConfig:
     max_len_a: float = 1.0  # maximum output length = max_len_a * source tokens + max_len_b
     max_len_b: int = 50
     max_tokens: int = 4096  # padded source tokens per batch
+    max_sentences: int = 256  # sentences per batch: bounds the decoder's cache on batches of short lines
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     cuda_graphs: bool = False  # search in static shapes, each step one CUDA graph replay (static_search.py)
@@ -277,9 +278,9 @@ class DecodeConfig:
         for name in ("checkpoint", "input", "output", "text", "out_dir"):  # Hydra reads text=123 as a number
             if getattr(self, name, None) is not None:
                 setattr(self, name, str(getattr(self, name)))
-        for name in ("beam_size", "max_len_b", "max_tokens", "alpha", "max_len_a"):
+        for name in ("beam_size", "max_len_b", "max_tokens", "max_sentences", "alpha", "max_len_a"):
             value = getattr(self, name)
-            whole = name in ("beam_size", "max_len_b", "max_tokens")
+            whole = name in ("beam_size", "max_len_b", "max_tokens", "max_sentences")
             _check(
                 isinstance(value, int if whole else (int, float)) and not isinstance(value, bool),
                 f"{name}={value!r} must be {'a whole number' if whole else 'a number'}",
@@ -288,6 +289,7 @@ class DecodeConfig:
         _check(self.alpha >= 0, f"alpha={self.alpha} must be >= 0")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_a must be >= 0 and max_len_b >= 1")
         _check(self.max_tokens > 0, f"max_tokens={self.max_tokens} must be positive")
+        _check(self.max_sentences > 0, f"max_sentences={self.max_sentences} must be positive")
         _check(
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",

@@ -112,7 +112,8 @@ class Translator:
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
         bar = tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating")
         with bar, prepacked(search_weights(self.model)):  # the weights packed once for every batch
-            for batch in _batches(todo, [len(ids) for ids in sources], self.cfg.max_tokens):
+            lengths, cfg = [len(ids) for ids in sources], self.cfg
+            for batch in _batches(todo, lengths, cfg.max_tokens, cfg.max_sentences):
                 src = torch.full((len(batch), len(sources[batch[0]])), PAD_ID, dtype=torch.long)  # (B, S)
                 for row, i in enumerate(batch):
                     src[row, : len(sources[i])] = torch.tensor(sources[i])
@@ -128,11 +129,15 @@ class Translator:
         return [" ".join(self.tokenizer.decode(ids).splitlines()) if ids else "" for ids in outputs]
 
 
-def _batches(order: list[int], lengths: list[int], max_tokens: int) -> Iterator[list[int]]:
-    """Consecutive runs of `order` (longest first) whose padded size n x longest stays in budget."""
+def _batches(
+    order: list[int], lengths: list[int], max_tokens: int, max_sentences: int
+) -> Iterator[list[int]]:
+    """Consecutive runs of `order` (longest first) whose padded size n x longest stays in budget, of at
+    most max_sentences: the decoder's keys and values take n x beam x (a x |X| + b) positions per layer,
+    so many short lines would take far more memory than the source tokens' budget suggests."""
     batch: list[int] = []
     for i in order:
-        if batch and (len(batch) + 1) * lengths[batch[0]] > max_tokens:
+        if batch and ((len(batch) + 1) * lengths[batch[0]] > max_tokens or len(batch) == max_sentences):
             yield batch
             batch = []
         batch.append(i)
