@@ -46,7 +46,7 @@ def test_strided_input_weight_update_and_inference_path():
     w = torch.randn(16, 24, generator=g)
     with torch.no_grad():
         torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
-        w.add_(1.0)  # an optimizer step changes the weight in place: no stale packed copy may be used
+        w.add_(1.0)  # an optimizer step changes the weight in place (outside prepacked: never cached)
         torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x, w, relu=True), (x @ w.T).clamp(min=0), rtol=1e-5, atol=1e-5)
 

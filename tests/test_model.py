@@ -199,8 +199,10 @@ def test_embeddings_and_output_projection_share_one_tensor():
     src, tgt = batch()
     weight = model.embed.tokens.weight
     assert model.embed.weight is weight
-    assert sum(p.data_ptr() == weight.data_ptr() for p in model.parameters()) == 1
-    states = model.decoder_states(tgt, model.encode(src), model.src_mask(src))
+    assert sum(p.shape == weight.shape for p in model.parameters()) == 1  # no second (V, d_model) matrix
+    states = model.decoder_states(tgt, model.encode(src), model.src_mask(src)).detach()
+    with torch.no_grad():
+        weight[5] += 1.0  # a copy made at construction would not follow
     torch.testing.assert_close(model.project(states), states @ weight.T)
     emb = model.embed.tokens(src[:1, :3])
     torch.testing.assert_close(emb, weight[src[:1, :3]])

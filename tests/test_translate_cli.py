@@ -157,8 +157,11 @@ def test_bad_settings_are_named(tiny_checkpoint, settings, message):
 
 
 def test_settings_that_leave_no_room_and_a_text_hydra_read_as_a_number(tiny_checkpoint):
-    with pytest.raises(ConfigError, match="max_len_b=200 leaves no room"):
-        Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_b=200))
+    for max_len_a in (1.0, 0.0):  # the tiny model has 128 positions
+        with pytest.raises(ConfigError, match="max_len_b=200 leaves no room"):
+            Translator.from_checkpoint(
+                TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_a=max_len_a, max_len_b=200)
+            )
     assert TranslateConfig(checkpoint=str(tiny_checkpoint), text=123).text == "123"
 
 

@@ -70,6 +70,8 @@ class Embeddings(nn.Module):
         table = self.learned.weight if self.learned is not None else self.table  # (P, d_model)
         if isinstance(offset, Tensor):
             positions = table.index_select(0, offset + torch.arange(t, device=offset.device))
+        elif offset + t > table.size(0):  # a slice past the table would broadcast or come back empty
+            raise ValueError(f"positions {offset}..{offset + t - 1} pass model.max_positions={table.size(0)}")
         else:
             positions = table[offset : offset + t]
         return self.dropout(self.tokens(tokens) * math.sqrt(self.d_model) + positions)

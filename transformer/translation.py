@@ -52,7 +52,10 @@ class Translator:
         self.device = next(model.parameters()).device
         positions = model.cfg.max_positions
         # Longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b outputs.
-        room = positions if cfg.max_len_a == 0 else int((positions - cfg.max_len_b) / cfg.max_len_a)
+        if cfg.max_len_a == 0:
+            room = positions if cfg.max_len_b <= positions else 0
+        else:
+            room = int((positions - cfg.max_len_b) / cfg.max_len_a)
         self.max_source_tokens = min(positions, room)
         if self.max_source_tokens < 2:
             raise ConfigError(
@@ -71,10 +74,11 @@ class Translator:
             raise CheckpointError(f"{cfg.checkpoint} carries no tokenizer (spm_model)")
         try:
             tokenizer = Tokenizer.from_bytes(ckpt["spm_model"])
-            model = model_from_checkpoint(ckpt, device)
+            model = model_from_checkpoint(ckpt)
         except (RuntimeError, ValueError, KeyError, TypeError) as error:  # mismatched weights or config
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise CheckpointError(f"{cfg.checkpoint} cannot be loaded: {first}") from None
+        model = model.to(device)  # out of the try: a device's error (out of memory) is not the file's
         if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
             model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding.py)
         return cls(model, tokenizer, cfg, {k: ckpt.get(k) for k in ("step", "data_meta", "config")})
