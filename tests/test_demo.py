@@ -6,8 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import sacrebleu
 import torch
 
+from transformer.config import ToyConfig
+from transformer.data import toy
 from transformer.training.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +54,12 @@ def test_short_demo_prepares_trains_averages_evaluates_translates_and_draws(tmp_
 
     # BLEU on the toy test set beside the paper's WMT figures (for context), written as JSON too
     assert "this checkpoint: sacrebleu" in out and "another corpus: for context only" in out
-    scores = json.loads(Path(f"{averaged}.toy.test.beam2.alpha0.6.bleu.json").read_text())["scores"]
-    assert 0.0 <= scores["sacrebleu"]["score"] <= 100.0
+    report = json.loads(Path(f"{averaged}.toy.test.beam2.alpha0.6.bleu.json").read_text())
+    hypotheses = Path(report["hypotheses"]).read_text(encoding="utf-8").splitlines()
+    references = [de for _, de in toy.generate_splits(600, 20, 12, ToyConfig().seed)["test"]]
+    assert len(hypotheses) == report["sentences"] == 12
+    expected = sacrebleu.corpus_bleu(hypotheses, [references]).score  # sacreBLEU's own defaults: 13a, cased
+    assert report["scores"]["sacrebleu"]["score"] == pytest.approx(expected)
 
     # example translations, the attention heatmaps and the next commands
     assert "Today the dog sees the cat.\n    -> " in out

@@ -2,6 +2,7 @@
 corrupt checkpoint, SIGTERM, two-process DDP against one process, a Hydra sweep. CPU only."""
 
 import logging
+import math
 import os
 import random
 import signal
@@ -28,6 +29,7 @@ from transformer.training.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
+from transformer.training.loop import _grad_norm
 from transformer.training.loss import smoothed_cross_entropy
 from transformer.training.monitor import Monitor
 from transformer.training.schedule import inverse_sqrt_lr
@@ -179,6 +181,29 @@ def test_an_averaged_checkpoint_is_refused_for_resuming_before_the_data_is_prepa
     with pytest.raises(CheckpointError, match="cannot resume training: it has no optimizer"):
         train(compose_config(args))
     assert not (tmp_path / "unprepared").exists()
+
+
+def test_the_optimizer_train_builds_is_the_papers_adam(uninterrupted):
+    """§5.3: Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9, no weight decay, the rate of Eq. (3)."""
+    ckpt = load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt")
+    [group] = ckpt["optimizer"]["param_groups"]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.98), 1e-9, 0.0)
+    d_model, warmup = 32, 50  # the overrides above
+    assert group["lr"] == pytest.approx(d_model**-0.5 * min(13**-0.5, 13 * warmup**-1.5))  # the 13th update's
+
+
+def test_gradient_clipping_scales_the_gradients_to_the_limit_and_reports_the_norm_before():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))  # the global L2 norm, written out
+    assert norm > 0.5
+    assert float(_grad_norm(model, 0.0)) == pytest.approx(norm)  # 0 = no clipping (the paper)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert float(_grad_norm(model, 0.5)) == pytest.approx(norm)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g * 0.5 / norm, rtol=1e-4, atol=1e-7)
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
