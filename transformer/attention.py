@@ -26,7 +26,8 @@ from transformer.linear import Linear
 
 @dataclass
 class AttentionRecord:
-    """The weights of one attention call: (B, H, T_q, T_k)."""
+    """The weights of one attention call: (B, H, T_q, T_k) (cross-attention in a beam search: the k beams'
+    queries of a sentence side by side, (N, H, k x T_q, S))."""
 
     kind: str  # "encoder_self" | "decoder_self" | "cross"
     layer: int

@@ -2,7 +2,8 @@
 
 The paper decodes with "beam search with a beam size of 4 and length penalty alpha = 0.6" and sets
 "the maximum output length during inference to input length + 50, but terminate[s] early when
-possible". The details it leaves open follow tensor2tensor, the paper's own code, and fairseq:
+possible". The details it leaves open follow tensor2tensor, the paper's own code, except where marked
+(two rules are fairseq's and Hugging Face's):
 
 - Length penalty (GNMT, Wu et al. 2016, Eq. 14): hypotheses are ranked by log P(Y|X) / lp(Y) with
   lp(Y) = ((5 + |Y|) / 6)^alpha. |Y| counts every generated token *including* the final EOS, as
@@ -10,11 +11,11 @@ possible". The details it leaves open follow tensor2tensor, the paper's own code
 - Maximum output length: L = max_len_a * |X| + max_len_b, |X| the source tokens including its EOS
   (the paper: a = 1, b = 50), capped at the model's positions. A hypothesis still open after L steps
   is finished as it stands, without EOS, with |Y| = L, and competes with the others (as Hugging Face's
-  beam search does).
+  beam search does; tensor2tensor returns a live one only when nothing finished).
 - Candidates: each step ranks the k x V extensions of the k live hypotheses (in practice only each
   hypothesis' 2k best tokens, the only ones that can reach the sentence's 2k best). One ending in EOS
-  is finished when it ranks among the k best (as fairseq), so a beam of 1 with alpha = 0 is greedy
-  search; the k best extensions not ending in EOS stay live.
+  is finished when it ranks among the k best (as fairseq; tensor2tensor takes any of the 2k), so a beam
+  of 1 with alpha = 0 is greedy search; the k best extensions not ending in EOS stay live.
 - Early stop: a sentence is done once its best finished score beats every score a live hypothesis
   could still reach. Log-probabilities only fall as a hypothesis grows, and lp grows with length, so
   a live raw score s <= 0 can reach at most s / lp(L) (tensor2tensor's bound); with alpha = 0 that is s.
