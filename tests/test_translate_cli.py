@@ -133,6 +133,20 @@ def test_a_batch_holds_at_most_max_sentences(tiny_checkpoint, monkeypatch):
     assert sizes == [4, 4, 4]
 
 
+def test_bf16_on_the_cpu_translates_like_fp32_within_its_precision(tiny_checkpoint):
+    """precision=bf16 runs the model in bfloat16 (scores still add up in float32): one line out per line
+    in, and on this model mostly the fp32 translations."""
+    lines = ["A dog.", "The cat sees the house.", "", "Mein Freund mag das Haus."]
+    fp32 = Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), device="cpu"))
+    bf16 = Translator.from_checkpoint(
+        TranslateConfig(checkpoint=str(tiny_checkpoint), device="cpu", precision="bf16")
+    )
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    half, full = bf16.translate(lines), fp32.translate(lines)
+    assert len(half) == len(lines) and half[2] == "" and all(half[i] for i in (0, 1, 3))
+    assert sum(half[i] == full[i] for i in (0, 1, 3)) >= 2
+
+
 def test_split_input_splits_on_newline_only():
     data = "a\u2028b\x0cc\r\n\nd\xff".encode() + b"\xff\n"
     assert split_input(data) == ["a\u2028b\x0cc", "", "d\xff\ufffd"]
