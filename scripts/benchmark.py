@@ -84,7 +84,7 @@ DEFAULTS = {
     "batch": (768, 16),
     "steps": (20, 5),
     "warmup": (3, 1),
-    "budget_tokens": (25_000, 1024),
+    "budget_tokens": (14_336, 1024),  # cuda: trainer.max_tokens, a default batch on one GPU
     "real_batches": (20, 4),
     "beam_sentences": (128, 32),
     "greedy_sentences": (512, 64),
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=32, help="train: source and target tokens per sentence")
     p.add_argument("--steps", type=int, help="train: timed steps per model (cuda 20, cpu 5)")
     p.add_argument("--warmup", type=int, help="train: untimed steps first, at least 1 (cuda 3, cpu 1)")
-    p.add_argument("--budget-tokens", type=int, help="train: token budget of sampled batches (25000 / 1024)")
+    p.add_argument("--budget-tokens", type=int, help="train: token budget of sampled batches (14336 / 1024)")
     p.add_argument("--real-batches", type=int, help="train: sampled batches timed per model (20 / 4)")
     p.add_argument("--big", action="store_true", help="train: also measure the big model (compiled)")
     p.add_argument("--src-len", type=int, default=30, help="decode: source tokens, EOS included")
