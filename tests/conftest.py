@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from transformer.config import ModelConfig, to_dict
+from transformer.data.tokenizer import EOS_ID, PAD_ID
 from transformer.data.tokenizer import train as train_tokenizer
 from transformer.model import Transformer
 from transformer.training.checkpoint import FORMAT, atomic_save
@@ -55,3 +56,34 @@ def one_torch_thread():
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Path of a tiny untrained checkpoint (decoding, translate.py, evaluation and attention tests)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint") / "checkpoint_last.pt")
+
+
+# ------------------------------------------------------------------------------ decoding tests
+
+
+def tiny_model(
+    vocab: int = 24, seed: int = 0, dtype: torch.dtype = torch.float64, max_positions: int = 1024
+) -> Transformer:
+    """Random weights, scaled up so that next-token distributions depend on the context (at the init's
+    scale a random decoder mostly repeats one token, and every search finds the same output)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=vocab, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0, max_positions=max_positions
+    )
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.embed.tokens.weight.mul_(2.0)
+        for layer in model.decoder:
+            for w in (layer.ffn.w_1, layer.ffn.w_2, layer.self_attn.w_qkv, layer.cross_attn.w_q):
+                w.weight.mul_(3.0)
+    return model.to(dtype)
+
+
+def sources(lengths: list[int], vocab: int, seed: int = 1) -> torch.Tensor:
+    """(B, S) rows of random pieces + [EOS], padded."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.full((len(lengths), max(lengths) + 1), PAD_ID)
+    for row, n in enumerate(lengths):
+        src[row, :n] = torch.randint(4, vocab, (n,), generator=g)
+        src[row, n] = EOS_ID
+    return src

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from conftest import sources, tiny_model
 
-from transformer.config import ModelConfig
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.decoding import SearchResult, beam_search
 from transformer.model import Transformer
@@ -42,32 +42,6 @@ BEAM_SEARCHES = pytest.mark.parametrize(
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 24
-
-
-def tiny_model(seed: int, vocab: int = VOCAB, max_positions: int = 1024) -> Transformer:
-    """Random float64 weights, scaled up so that next-token distributions depend on the context (at the
-    init's scale a random decoder mostly repeats one token)."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=vocab, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0, max_positions=max_positions
-    )
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        model.embed.tokens.weight.mul_(2.0)
-        for layer in model.decoder:
-            for w in (layer.ffn.w_1, layer.ffn.w_2, layer.self_attn.w_qkv, layer.cross_attn.w_q):
-                w.weight.mul_(3.0)
-    return model.to(torch.float64)
-
-
-def sources(lengths: list[int], seed: int, vocab: int = VOCAB) -> torch.Tensor:
-    """(B, S) rows of random pieces + [EOS], padded."""
-    g = torch.Generator().manual_seed(seed)
-    src = torch.full((len(lengths), max(lengths) + 1), PAD_ID)
-    for row, n in enumerate(lengths):
-        src[row, :n] = torch.randint(4, vocab, (n,), generator=g)
-        src[row, n] = EOS_ID
-    return src
 
 
 # ---------------------------------------------------------------------------------------- the reference
@@ -178,10 +152,10 @@ SETTINGS = [
 @pytest.mark.parametrize("seed", [2, 3, 6, 9])
 def test_search_equals_the_reference(beam_search_fn, seed):
     """Batches of five sentences under every setting: outputs end in EOS, are cut at L, or stop early."""
-    model = tiny_model(seed)
+    model = tiny_model(VOCAB, seed)
     stopped_early = 0
     for i, (k, alpha, a, b, min_len) in enumerate(SETTINGS):
-        src = sources([2, 5, 8, 3, 1], seed=10 * seed + i)
+        src = sources([2, 5, 8, 3, 1], VOCAB, seed=10 * seed + i)
         references, _ = check_against_reference(beam_search_fn, model, src, k, alpha, a, b, min_len)
         stopped_early += sum(len(ref.steps) < ref.limit for ref in references)
     assert stopped_early > 0
@@ -190,8 +164,8 @@ def test_search_equals_the_reference(beam_search_fn, seed):
 @BEAM_SEARCHES
 def test_limit_is_capped_at_the_models_positions(beam_search_fn):
     """L = |X| + 50 would pass the 7 positions of this model: every sentence's limit is 7."""
-    model = tiny_model(6, max_positions=7)
-    src = sources([2, 5, 6, 3, 1], seed=61)
+    model = tiny_model(VOCAB, 6, max_positions=7)
+    src = sources([2, 5, 6, 3, 1], VOCAB, seed=61)
     references, _ = check_against_reference(beam_search_fn, model, src, 3, 0.6, 1.0, 50)
     assert all(ref.limit == 7 for ref in references)
     assert any(len(ref.tokens) == 7 for ref in references)  # an output cut at the limit
@@ -201,8 +175,8 @@ def test_limit_is_capped_at_the_models_positions(beam_search_fn):
 def test_eos_finishes_a_hypothesis_only_among_the_k_best(beam_search_fn):
     """Here an EOS extension ranked among the 2k best but not the k best would outscore the result: it
     must not finish (nor is it kept live)."""
-    model, k, alpha = tiny_model(2), 2, 0.0
-    src = sources([2, 5, 8, 3], seed=22)
+    model, k, alpha = tiny_model(VOCAB, 2), 2, 0.0
+    src = sources([2, 5, 8, 3], VOCAB, seed=22)
     ref = reference_beam_search(model, src[2], k, alpha, 1.0, 6)
     assert any(
         tokens[-1] == EOS_ID and s / ((5 + step) / 6) ** alpha > ref.score
@@ -218,8 +192,8 @@ def test_early_stop_bound_divides_by_the_penalty_at_the_limit(beam_search_fn):
     below the best finished score can still beat it at a later step. Here stopping at the first step
     where the best finished score reaches max(live log P) / lp(step) would return a worse result: the
     bound must divide by lp(L), as max(live log P) / lp(L) is the most a live hypothesis can reach."""
-    model, k, alpha = tiny_model(2), 2, 2.0
-    src = sources([2, 5, 8, 3], seed=22)
+    model, k, alpha = tiny_model(VOCAB, 2), 2, 2.0
+    src = sources([2, 5, 8, 3], VOCAB, seed=22)
     ref = reference_beam_search(model, src[2], k, alpha, 1.0, 6)
     stop_at_lp_step = next(
         record
@@ -234,8 +208,8 @@ def test_early_stop_bound_divides_by_the_penalty_at_the_limit(beam_search_fn):
 def test_search_stops_before_the_limit_when_no_live_hypothesis_can_win(beam_search_fn):
     """A sentence with the limit L = 15 whose result is certain after a few steps: the search must stop
     there (§6.1: "terminate early when possible"), not decode on to L."""
-    model, k, alpha = tiny_model(2), 2, 0.6
-    src = sources([2, 5, 8, 3], seed=22)[2:3]
+    model, k, alpha = tiny_model(VOCAB, 2), 2, 0.6
+    src = sources([2, 5, 8, 3], VOCAB, seed=22)[2:3]
     (ref,), steps = check_against_reference(beam_search_fn, model, src, k, alpha, 1.0, 6)
     assert ref.limit == 15
     assert steps == len(ref.steps) < ref.limit

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import sources, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer import decoding, static_search
@@ -26,30 +27,6 @@ BEAM_SEARCHES = pytest.mark.parametrize(
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def tiny_model(vocab: int = 24, seed: int = 0, dtype: torch.dtype = torch.float64) -> Transformer:
-    """Random weights, scaled up so that next-token distributions depend on the context (at the init's
-    scale a random decoder mostly repeats one token, and every search finds the same output)."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        model.embed.tokens.weight.mul_(2.0)
-        for layer in model.decoder:
-            for w in (layer.ffn.w_1, layer.ffn.w_2, layer.self_attn.w_qkv, layer.cross_attn.w_q):
-                w.weight.mul_(3.0)
-    return model.to(dtype)
-
-
-def sources(lengths: list[int], vocab: int, seed: int = 1) -> torch.Tensor:
-    """(B, S) rows of random pieces + [EOS], padded."""
-    g = torch.Generator().manual_seed(seed)
-    src = torch.full((len(lengths), max(lengths) + 1), PAD_ID)
-    for row, n in enumerate(lengths):
-        src[row, :n] = torch.randint(4, vocab, (n,), generator=g)
-        src[row, n] = EOS_ID
-    return src
 
 
 @dataclass
