@@ -4,9 +4,8 @@ self-describing checkpoints and exact resume.
 One optimizer step holds `trainer.tokens_per_step` padded tokens (B x max(S, T) per batch; the default
 gives ~25k real target tokens, §5.1): each rank runs `trainer.grad_accum(world_size)` batches of
 `trainer.batch_tokens(world_size)` padded tokens at most (the step's budget shared evenly, each at most
-`trainer.max_tokens`). The loss is the
-sum over every non-pad target token of the step divided by their number over all batches and ranks,
-so the update does not depend on how the step is split.
+`trainer.max_tokens`). The loss is the sum over every non-pad target token of the step divided by
+their number over all batches and ranks, so the update does not depend on how the step is split.
 
 The host reads from the device once per step, and late: the whole step is queued first (forward,
 backward, gradient norm and the update, which the device skips by itself when the loss or the
