@@ -141,3 +141,17 @@ def test_a_checkpoint_without_resume_state_is_not_resumed_from(tmp_path, caplog)
         path, _ = latest_checkpoint(tmp_path)
     assert path.name == "checkpoint_1.pt"
     assert "checkpoint_2.pt" in caplog.text and "optimizer, rng" in caplog.text
+
+
+def test_a_checkpoint_naming_the_old_padding_setting_still_loads_and_averages(tmp_path):
+    """Checkpoints written while the model's settings held pad_id (always the tokenizer's 0) load as
+    today's, and average with them."""
+    old = make_checkpoint(1, seed=1)
+    old["model_config"]["pad_id"] = 0
+    old["config"] = {"model": {**old["model_config"]}}
+    save_checkpoint(old, tmp_path, keep_last=5)
+    save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+    loaded = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_1.pt")
+    assert "pad_id" not in loaded["model_config"] and "pad_id" not in loaded["config"]["model"]
+    model_from_checkpoint(loaded)
+    average_checkpoints(list_checkpoints(tmp_path))  # one model configuration

@@ -35,6 +35,7 @@ import torch
 
 from transformer.atomic import atomic_write
 from transformer.config import ModelConfig, from_dict
+from transformer.data.tokenizer import PAD_ID
 from transformer.model import Transformer
 
 FORMAT = "transformer-checkpoint"
@@ -72,6 +73,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a readable checkpoint ({reason})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint written by this project")
+    # Older checkpoints name the padding id in the model's settings; it was always the tokenizer's 0.
+    for model_config in (ckpt.get("model_config"), ckpt.get("config", {}).get("model")):
+        if isinstance(model_config, dict) and model_config.get("pad_id") == PAD_ID:
+            del model_config["pad_id"]
     return ckpt
 
 
