@@ -4,9 +4,9 @@
     torchrun --nproc_per_node=8 train.py experiment=paper_big
     python train.py -m experiment=table3_A_h1,table3_A_h4,table3_A_h16,table3_A_h32   # a Table 3 sweep
 
-Any setting can be overridden (`trainer.max_steps=1000 model=tiny data=multi30k`); a mistake is
-reported in one line and the exit status is 2. A run in an existing run directory continues from its
-newest checkpoint (trainer.resume=auto).
+Any setting can be overridden (`trainer.max_steps=1000 model=tiny data=multi30k`); a wrong value is
+reported in one line and the exit status is 2 (a key that does not exist is refused by Hydra itself).
+A run in an existing run directory continues from its newest checkpoint (trainer.resume=auto).
 """
 
 import os

@@ -1,6 +1,6 @@
 """Translate with a trained checkpoint (beam search as in §6.1).
 
-  echo "The cat sat on the mat." | python translate.py checkpoint=runs/base/checkpoints/checkpoint_last.pt
+  echo "The cat sat on the mat." | python translate.py checkpoint=runs/demo/checkpoints/checkpoint_last.pt
   python translate.py checkpoint=... input=newstest2014.en output=hyp.de beam_size=4 alpha=0.6
   python translate.py checkpoint=... text='"One sentence, quoted for Hydra."'
 

@@ -40,7 +40,7 @@ are fp32 on `--threads` threads. A step here is what the model, loss and optimiz
 loop adds a gradient norm and three scalar reads per step. The matmul peak is torch's own (on the CPU
 the better of its two fp32 GEMMs, MKL and oneDNN; the project's linear layers use oneDNN there, see
 transformer/linear.py), so MFU is relative to what torch reaches on this machine, not to the hardware.
-Peers that are not installed (`pip install transformer[bench]`) are skipped with a note; a section
+Peers that are not installed (`pip install -e ".[bench]"`) are skipped with a note; a section
 that fails is noted, the others are still reported (and written), and the run then exits with an
 error. The report ends with the project's goals for the device (bench/report.py: TRAIN_GOAL,
 MEMORY_GOAL_GIB, DECODE_GOALS), met or not. `--json` writes every figure. Sizes: tiny (smoke tests),

@@ -141,7 +141,7 @@ def available_peers(args: argparse.Namespace, notes: list[str]) -> set[str]:
             __import__(module)
         except ImportError:
             peers.discard(peer)
-            notes.append(f"{module} is not installed: {peer} skipped (pip install transformer[bench])")
+            notes.append(f"{module} is not installed: {peer} skipped (pip install -e '.[bench]')")
     if "marian" in peers:
         import transformers
 
