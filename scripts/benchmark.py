@@ -40,9 +40,10 @@ are fp32 on `--threads` threads. A step here is what the model, loss and optimiz
 loop adds a gradient norm and three scalar reads per step. The matmul peak is torch's own (on the CPU
 the better of its two fp32 GEMMs, MKL and oneDNN; the project's linear layers use oneDNN there, see
 transformer/linear.py), so MFU is relative to what torch reaches on this machine, not to the hardware.
-Peers that are not installed (`pip install -e ".[bench]"`) are skipped with a note; a section
-that fails is noted, the others are still reported (and written), and the run then exits with an
-error. The report ends with the project's goals for the device (bench/report.py: TRAIN_GOAL,
+Peers that are not installed (`pip install -e ".[bench]"`) are skipped with a note. The sections run
+in the order given, each printed and written to `--json` as soon as it ends (a killed run keeps what
+it measured); a section that fails is noted, the others are still reported, and the run then exits
+with an error. The report ends with the project's goals for the device (bench/report.py: TRAIN_GOAL,
 MEMORY_GOAL_GIB, DECODE_GOALS), met or not. `--json` writes every figure. Sizes: tiny (smoke tests),
 base (the paper's base model: N=6, d_model=512, h=8, d_ff=2048, vocab 37000); the big model is
 d_model=1024, h=16, d_ff=4096.
@@ -70,7 +71,7 @@ from bench.data import section_data  # noqa: E402
 from bench.decode import section_decode  # noqa: E402
 from bench.measure import Setup, make_setup, register_cpu_flops, release_free_memory  # noqa: E402
 from bench.peers import available_peers  # noqa: E402
-from bench.report import print_report, targets, write_json  # noqa: E402
+from bench.report import print_header, print_section, print_summary, targets, write_json  # noqa: E402
 from bench.train import section_train  # noqa: E402
 
 from transformer.config import ModelConfig  # noqa: E402
@@ -116,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam-sentences", type=int, help="decode: sentences for beam 4 (cuda 128, cpu 32)")
     p.add_argument("--greedy-sentences", type=int, help="decode: sentences for greedy (512 / 64)")
     p.add_argument("--decode-rounds", type=int, help="decode: timed runs per decoder (3)")
-    p.add_argument("--ct2-compute", default="float16", help="decode: CTranslate2 compute type on CUDA")
+    p.add_argument("--ct2-compute", default="bfloat16", help="decode: CTranslate2 compute type on CUDA")
     p.add_argument("--data-pairs", type=int, default=4_500_000, help="data: synthetic pairs to batch")
     p.add_argument("--data-budget", type=int, default=25_000, help="data: token budget per batch")
     p.add_argument("--corpus-dir", type=Path, help="data: also time prepare() on <dir>/train.<lang>")
@@ -132,7 +133,7 @@ def _resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser)
     for name, (cuda, cpu) in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, cuda if args.device == "cuda" else cpu)
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    args.sections = list(dict.fromkeys(s.strip() for s in args.sections.split(",") if s.strip()))
     args.peers = [s.strip() for s in args.peers.split(",") if s.strip()]
     bad = sorted(set(args.sections) - {"train", "decode", "data"}) + sorted(
         set(args.peers) - {"torch", "marian", "ct2"}
@@ -183,29 +184,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     notes: list[str] = []
     peers = available_peers(args, notes)
     register_cpu_flops()
-    report: dict[str, Any] = {"meta": describe(args, setup, cfg)}
+    report: dict[str, Any] = {"meta": describe(args, setup, cfg), "notes": notes}
+    print_header(report["meta"])
     sections = {
         "train": lambda: section_train(args, cfg, setup, peers),
         "decode": lambda: section_decode(args, cfg, setup, peers, notes),
         "data": lambda: section_data(args),
     }
     failed = []
-    for name, section in sections.items():
-        if name not in args.sections:
-            continue
+    for name in args.sections:  # each printed and written as it ends: a kill keeps what was measured
         try:
-            report[name] = section()
+            report[name] = sections[name]()
+            print_section(name, report)
         except Exception as error:  # the other sections' figures are still reported; the run fails at the end
             notes.append(f"section {name} failed: {type(error).__name__}: {error}")
             failed.append(name)
         release_free_memory(setup.device)
+        if args.json is not None:
+            write_json(args.json, report)
     if "train" in report and not args.big:
         notes.append("big model not measured (--big): its speed is the base speed scaled by counted FLOPs")
     report["targets"] = targets(report)
-    report["notes"] = notes
     report["meta"]["seconds"] = time.perf_counter() - start
     report["meta"]["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print_report(report)
+    print_summary(report)
     if args.json is not None:
         write_json(args.json, report)
         print(f"wrote {args.json}")

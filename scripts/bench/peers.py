@@ -47,7 +47,7 @@ def smoothed_loss_sum(logits: Tensor, tgt_out: Tensor, label_smoothing: float) -
 class TorchTransformerPeer(nn.Module):
     """torch.nn.Transformer (post-LN, ReLU; it adds a final LayerNorm to each stack) with the paper's
     embeddings: one matrix for source, target and output projection (§3.4), x sqrt(d_model),
-    sinusoidal positions (§3.5)."""
+    sinusoidal positions (§3.5), and the paper's dropout only (§5.4)."""
 
     def __init__(self, cfg: ModelConfig, label_smoothing: float) -> None:
         super().__init__()
@@ -59,6 +59,13 @@ class TorchTransformerPeer(nn.Module):
         self.core = nn.Transformer(
             cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.n_layers, cfg.d_ff, cfg.dropout, batch_first=True
         )
+        # The paper's dropout only (§5.4: sub-layer outputs and embedding sums, as ours and Marian's):
+        # nn.Transformer's one rate would also drop attention weights and the feed-forward's ReLU output.
+        for layer in [*self.core.encoder.layers, *self.core.decoder.layers]:
+            layer.dropout.p = 0.0  # the feed-forward's inner dropout
+            for attention in (getattr(layer, "self_attn", None), getattr(layer, "multihead_attn", None)):
+                if attention is not None:
+                    attention.dropout = 0.0
 
     def _embed(self, tokens: Tensor) -> Tensor:
         positions = self.table[: tokens.size(1)]
@@ -218,6 +225,11 @@ class Ct2Process:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self.process.stdout.readline().strip() != "ready":  # its traceback went to stderr
             raise RuntimeError(f"CTranslate2 could not load the model (exit status {self.process.wait()})")
+
+    def close(self) -> None:
+        """End the process: its stdin closes, its loop ends."""
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
 
     def translate(self, tokens: list[list[str]], beam: int, new_tokens: int) -> int:
         """Translate with min = max decoding length; returns the output tokens."""

@@ -160,20 +160,31 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def print_report(report: dict[str, Any]) -> None:
+def print_header(meta: dict[str, Any]) -> None:
+    print(
+        f"== benchmark: {meta['device_name']}, torch {meta['torch']}, {meta['size']} dims, "
+        f"{meta['threads']} CPU threads =="
+    )
+
+
+def print_section(name: str, report: dict[str, Any]) -> None:
+    """A section's tables, printed as soon as it has finished."""
+    if name == "train":
+        print_train(report["train"], report["meta"])
+    elif name == "decode":
+        print_decode(report["decode"])
+    else:
+        print_data(report["data"])
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    """The run's time and load, the goals of the device, the notes."""
     meta = report["meta"]
     load = meta["load_average_at_end"]
     print(
-        f"\n== benchmark: {meta['device_name']}, torch {meta['torch']}, {meta['size']} dims, "
-        f"{meta['threads']} CPU threads, {meta['seconds']:.0f} s in all; load average "
-        f"{'n/a' if load is None else f'{load[0]:.1f}'} at the end =="
+        f"\n== {meta['seconds']:.0f} s in all; load average {'n/a' if load is None else f'{load[0]:.1f}'} "
+        "at the end =="
     )
-    if "train" in report:
-        print_train(report["train"], meta)
-    if "decode" in report:
-        print_decode(report["decode"])
-    if "data" in report:
-        print_data(report["data"])
     if report["targets"]:
         print("\ntargets on this device (ours / peer, and peak memory on CUDA):")
         for t in report["targets"]:
