@@ -35,6 +35,8 @@ def test_tokenization_is_moses_then_compound_splitting():
     assert moses_tokenize(HYPOTHESES, "de") == tokenized
     # like perl's s{(\S)-(\S)}{...}g: matches do not overlap, a lone or trailing hyphen stays
     assert split_compounds("a-b-c x - y e-") == "a ##AT##-##AT## b-c x - y e-"
+    # perl matches bytes: the second byte of "à" (C3 A0) is a \S of its own, so both hyphens split
+    assert split_compounds("vis-à-vis") == "vis ##AT##-##AT## à ##AT##-##AT## vis"
     assert moses_tokenize(['Er sagte "ja" & ging.'], "de") == ["Er sagte &quot; ja &quot; &amp; ging ."]
 
 
@@ -52,6 +54,8 @@ def test_tokenized_bleu_by_hand():
     pre_tokenized = BLEU(tokenize="none").corpus_score(hyp, [ref])  # sacreBLEU -tok none
     assert result.score == pytest.approx(pre_tokenized.score, abs=1e-12)
     assert "tok:none" in result.signature and "case:mixed" in result.signature
+    # multi-bleu.perl: no 4-gram match anywhere in the corpus is BLEU 0 (sacreBLEU would smooth it)
+    assert tokenized_bleu(["Das Haus ist alt."], ["Das Haus war alt."], "de").score == 0.0
 
 
 def test_lowercased_and_sacrebleu_variants():

@@ -9,7 +9,8 @@
   `multi-bleu.perl`. Here sacremoses does the tokenizing and sacreBLEU with `tokenize="none"` the
   scoring: on the same whitespace tokens it computes multi-bleu's corpus BLEU (one reference).
   The reference is tokenized here as well; t2t used the pre-tokenized newstest files.
-- `lowercase=True`: the same, lowercased (multi-bleu.perl -lc), how Multi30k results are reported.
+- `lowercase=True`: the same on lowercased text, how Multi30k results are reported (its data is
+  lowercased with Moses' lowercase.perl, every letter; multi-bleu.perl -lc alone would lower A-Z only).
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ PUBLISHED: dict[tuple[str, str], list[Published]] = {
     ],
 }
 
-_COMPOUND = re.compile(r"(\S)-(\S)")
+_COMPOUND = re.compile(rb"(\S)-(\S)")
 
 
 def split_compounds(line: str) -> str:
-    """t2t's `perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'`: "a-b" -> "a ##AT##-##AT## b"."""
-    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+    """t2t's `perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'`: "a-b" -> "a ##AT##-##AT## b". On UTF-8
+    bytes, as perl runs it: in "vis-à-vis" the last byte of "à" starts a second match, which a
+    character-wise match (taking the whole "à" in the first) would miss."""
+    return _COMPOUND.sub(rb"\1 ##AT##-##AT## \2", line.encode("utf-8")).decode("utf-8")
 
 
 def moses_tokenize(lines: list[str], lang: str) -> list[str]:
@@ -122,6 +125,7 @@ def tokenized_bleu(
         moses_tokenize(references, lang),
         tokenize="none",
         lowercase=lowercase,
+        smooth_method="none",  # multi-bleu.perl: 0 when an n-gram order has no match in the corpus
     )
 
 
