@@ -16,7 +16,7 @@ import torch
 
 from bench.measure import PAD_MULTIPLE, timed
 from transformer.config import DataConfig
-from transformer.data.batching import TokenBudgetBatchSampler
+from transformer.data.batching import TokenBudgetBatchSampler, padded_length
 from transformer.data.dataset import ShardDataset
 
 
@@ -39,7 +39,7 @@ def sampler_padding(
     """Padding of the batches as collate pads them (+EOS / +BOS, rounded up to `multiple`)."""
 
     def padded(lengths: np.ndarray, batch: np.ndarray) -> int:
-        return -(-(int(lengths[batch].max()) + 1) // multiple) * multiple
+        return padded_length(int(lengths[batch].max()), multiple)
 
     sizes = np.array([len(b) for b in batches])
     s_len = np.array([padded(src, b) for b in batches])

@@ -22,8 +22,10 @@ import torch
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
-def _round_up(length: Any, multiple: int) -> Any:
-    return (length + multiple - 1) // multiple * multiple
+def padded_length(pieces: Any, multiple: int) -> Any:
+    """The positions a sequence of `pieces` (an int or an array) takes in a batch: its pieces and the EOS
+    (source, decoder target) or BOS (decoder input) added by `collate`, rounded up to `multiple`."""
+    return (pieces + 1 + multiple - 1) // multiple * multiple
 
 
 class TokenBudgetBatchSampler:
@@ -74,8 +76,8 @@ class TokenBudgetBatchSampler:
             raise ValueError(f"{len(src)} pairs cannot be shared among {world_size} ranks")
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
         self.rank, self.world_size = rank, world_size
-        padded_src = _round_up(src + 1, pad_to_multiple)  # + EOS
-        padded_tgt = _round_up(tgt + 1, pad_to_multiple)  # + BOS (decoder input) or EOS (decoder target)
+        padded_src = padded_length(src, pad_to_multiple)
+        padded_tgt = padded_length(tgt, pad_to_multiple)
         self._cost = np.maximum(padded_src, padded_tgt)  # what one pair adds to B * max(S, T)
         # Sort by cost first (it keeps the greedy cut exact), then by which side is longer, then by the
         # shorter side: the pairs of a batch then agree on both padded lengths. On WMT-like lengths this
@@ -213,8 +215,8 @@ def pad_batch(
     """
     b = len(src_lengths)
     rows = np.arange(b)
-    width_src = int(_round_up(src_lengths.max() + 1, pad_to_multiple))  # + EOS
-    width_tgt = int(_round_up(tgt_lengths.max() + 1, pad_to_multiple))  # + BOS or EOS
+    width_src = int(padded_length(src_lengths.max(), pad_to_multiple))
+    width_tgt = int(padded_length(tgt_lengths.max(), pad_to_multiple))
     columns_src, columns_tgt = np.arange(width_src), np.arange(width_tgt)
     src = np.full((b, width_src), PAD_ID, dtype=np.int64)
     src[columns_src < src_lengths[:, None]] = src_ids

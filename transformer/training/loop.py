@@ -40,7 +40,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.config import ConfigError, OptimConfig, TrainConfig, TrainerConfig, to_dict
-from transformer.data.batching import Batch, TokenBudgetBatchSampler
+from transformer.data.batching import Batch, TokenBudgetBatchSampler, padded_length
 from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import SPM_FILE, prepare
 from transformer.model import Transformer
@@ -340,11 +340,11 @@ def _batches_forever(
 def _check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: int) -> None:
     """A pair longer than the positional table would fail at its first batch, maybe hours into the run;
     the lengths are at hand, so it fails now."""
-    longest = int(max(dataset.src_lengths.max(), dataset.tgt_lengths.max())) + 1  # + EOS (or BOS)
-    positions = -(-longest // pad_to_multiple) * pad_to_multiple  # as the batches pad it
+    longest = int(max(dataset.src_lengths.max(), dataset.tgt_lengths.max()))  # pieces
+    positions = padded_length(longest, pad_to_multiple)  # as the batches pad it
     if positions > max_positions:
         raise ConfigError(
-            f"the {dataset.role} split's longest pair needs {positions} positions ({longest - 1} pieces "
+            f"the {dataset.role} split's longest pair needs {positions} positions ({longest} pieces "
             f"+ EOS, padded to a multiple of trainer.pad_to_multiple={pad_to_multiple}), more than "
             f"model.max_positions={max_positions}; raise model.max_positions or prepare the data with a "
             "lower data.max_tokens_per_sentence"
