@@ -275,16 +275,11 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
-        for name in ("checkpoint", "input", "output", "text", "out_dir"):  # Hydra reads text=123 as a number
-            if getattr(self, name, None) is not None:
-                setattr(self, name, str(getattr(self, name)))
-        for name in ("beam_size", "max_len_b", "max_tokens", "max_sentences", "alpha", "max_len_a"):
-            value = getattr(self, name)
-            whole = name in ("beam_size", "max_len_b", "max_tokens", "max_sentences")
-            _check(
-                isinstance(value, int if whole else (int, float)) and not isinstance(value, bool),
-                f"{name}={value!r} must be {'a whole number' if whole else 'a number'}",
-            )
+        # Each value typed as `from_dict` types it: these settings are also built in code (finish.py).
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            if not dataclasses.is_dataclass(hints[f.name]):  # EvaluateConfig.data comes typed
+                setattr(self, f.name, _typed(hints[f.name], getattr(self, f.name), f.name))
         _check(self.beam_size >= 1, f"beam_size={self.beam_size} must be at least 1")
         _check(self.alpha >= 0, f"alpha={self.alpha} must be >= 0")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_a must be >= 0 and max_len_b >= 1")
@@ -298,7 +293,6 @@ class DecodeConfig:
             self.precision in ("auto", "fp32", "bf16"),
             f"precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
         )
-        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs={self.cuda_graphs!r} must be true or false")
 
 
 @dataclass
