@@ -44,7 +44,7 @@ class _State:
     src_mask: Tensor  # (N, S)
     self_kv: list[StaticKV]  # per layer, (N * k, H_kv, L, d)
     cross_kv: list[KV]  # per layer, (N, H_kv, S, d): the beams of a sentence share them
-    first_row: Tensor  # (N, 1) long: the row of each sentence's first beam
+    first_row: Tensor  # (N,) long: the row of each sentence's first beam
     last: Tensor  # (N * k, 1) the last token of each live hypothesis
     tokens: Tensor  # (N * k, L) the live hypotheses' tokens (the first `position` are valid)
     scores: Tensor  # (N, k) float32 log P of each live hypothesis
@@ -81,7 +81,7 @@ def _start(model: Transformer, src: Tensor, k: int, alpha: float, max_len_a: flo
         src_mask=src_mask,
         self_kv=self_kv,
         cross_kv=cross_kv,
-        first_row=torch.arange(n, device=device)[:, None] * k,
+        first_row=torch.arange(n, device=device) * k,
         last=src.new_full((n * k, 1), BOS_ID),
         tokens=src.new_zeros(n * k, limit),
         scores=scores,
@@ -117,7 +117,7 @@ def _step(model: Transformer, s: _State, k: int, alpha: float, min_len: int) -> 
     # every live hypothesis at its limit L_n finishes
     cut = torch.where(s.max_len[:, None] == step, live_scores / penalty, NEG_INF)  # (N, k)
     cut_best, cut_pick = cut.max(dim=1)  # (N,)
-    _finish(s, cut_best, s.tokens[s.first_row[:, 0] + cut_pick], step)
+    _finish(s, cut_best, s.tokens[s.first_row + cut_pick], step)
     # Done: at the length limit, or no live hypothesis can still beat the best finished one.
     s.done |= (s.best >= live_scores.max(dim=1).values / s.lp_max) | (s.max_len == step)
     s.scores.copy_(live_scores)
