@@ -183,6 +183,17 @@ def test_a_batch_decodes_like_its_sentences_one_by_one(beam_search_fn):
     assert len(lengths) > 1  # sentences finished at different steps
 
 
+@pytest.mark.parametrize("search", [greedy_search, beam_search, static_beam_search])
+def test_a_source_row_of_padding_only_is_refused_before_encoding(search, monkeypatch):
+    """Such a row has no key to attend to: its states would be NaN and its output garbage."""
+    model = tiny_model(seed=2)
+    src = sources([3, 2], 24)
+    src[1] = PAD_ID
+    monkeypatch.setattr(model, "encode", lambda *args: pytest.fail("encoded a batch it should refuse"))
+    with pytest.raises(ValueError, match="all padding"):
+        search(model, src)
+
+
 def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
     model = tiny_model(seed=7)
     src = sources([2, 6], 24)  # 3 and 7 source tokens with EOS

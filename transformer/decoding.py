@@ -61,6 +61,15 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def source_mask(model: Transformer, src: Tensor) -> Tensor:
+    """(B, S) bool, True = a real source token; refuses a row of padding only, which would have nothing
+    to attend to (its states would be NaN)."""
+    src_mask = model.src_mask(src)
+    if not bool(src_mask.any(dim=1).all()):
+        raise ValueError("a source row is all padding: every source sentence ends in EOS (pieces + [EOS])")
+    return src_mask
+
+
 def max_output_lengths(src_mask: Tensor, max_len_a: float, max_len_b: int, max_positions: int) -> Tensor:
     """(B,) L = a * |X| + b output tokens (§6.1: input length + 50), at most the model's positions."""
     lengths = (max_len_a * src_mask.sum(dim=1).float() + max_len_b).long()
@@ -149,7 +158,7 @@ def greedy_search(
 
     Scores are raw log-probabilities. Finished sentences leave the batch.
     """
-    src_mask = model.src_mask(src)  # (B, S)
+    src_mask = source_mask(model, src)  # (B, S)
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
     n = src.size(0)
@@ -218,7 +227,7 @@ def beam_search(
     src rows are pieces + [EOS], padded with PAD_ID. See the module docstring for the exact rules.
     """
     k, b = beam_size, src.size(0)
-    src_mask = model.src_mask(src)  # (B, S)
+    src_mask = source_mask(model, src)  # (B, S)
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
     # Step 1 sees the same prefix [BOS] in every beam: run it once per sentence; its reorder then

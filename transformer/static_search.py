@@ -30,7 +30,14 @@ from torch import Tensor
 
 from transformer.attention import KV, StaticKV
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.decoding import NEG_INF, SearchResult, length_penalty, max_output_lengths, rank_extensions
+from transformer.decoding import (
+    NEG_INF,
+    SearchResult,
+    length_penalty,
+    max_output_lengths,
+    rank_extensions,
+    source_mask,
+)
 from transformer.model import Transformer
 
 
@@ -58,7 +65,7 @@ class _State:
 
 def _start(model: Transformer, src: Tensor, k: int, alpha: float, max_len_a: float, max_len_b: int) -> _State:
     """Encode src (N, S) and lay out every buffer of the search."""
-    src_mask = model.src_mask(src)  # (N, S)
+    src_mask = source_mask(model, src)  # (N, S)
     memory = model.encode(src, src_mask)  # (N, S, d_model)
     max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
     n, limit, device = src.size(0), int(max_len.max()), src.device
