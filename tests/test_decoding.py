@@ -255,7 +255,11 @@ def test_cuda_bfloat16_decoding_runs_and_mostly_agrees_with_cpu():
     cpu = beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=5)
     gpu = beam_search(model.cuda().to(torch.bfloat16), src.cuda(), beam_size=4, alpha=0.6, max_len_b=5)
     assert gpu.scores.dtype == torch.float32 and len(gpu.tokens) == len(cpu.tokens)
-    assert torch.allclose(gpu.scores.cpu(), cpu.scores, atol=0.1)
+    # bf16 activations move a score by a few percent (on a CPU, bf16 against float32: up to 2.6% here),
+    # and may flip a close choice: compare the scores of the outputs that agree
+    same = [i for i, (a, b) in enumerate(zip(gpu.tokens, cpu.tokens)) if a == b]
+    assert len(same) >= len(cpu.tokens) // 2
+    torch.testing.assert_close(gpu.scores.cpu()[same], cpu.scores[same], rtol=0.06, atol=0.0)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -278,6 +282,17 @@ def test_static_search_chooses_as_the_dynamic_one(seed):
         torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-6, atol=1e-6)
         lengths |= {len(t) for t in static.tokens}
     assert len(lengths) > 3  # outputs of many lengths: sentences finished at many steps
+
+
+def test_static_search_under_autocast_chooses_as_the_dynamic_one():
+    """A float32 model under bfloat16 autocast: bf16 keys and values go into the float32 static cache."""
+    model = tiny_model(dtype=torch.float32, seed=1)
+    src = sources([3, 5, 7, 2], 24, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dynamic = beam_search(model, src, beam_size=4, max_len_b=6)
+        static = static_beam_search(model, src, beam_size=4, max_len_b=6)
+    assert static.tokens == dynamic.tokens and len({tuple(t) for t in static.tokens}) > 1
+    torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("variant", [{"n_kv_heads": 2}, {"norm_first": True}, {"positional": "learned"}])

@@ -20,6 +20,7 @@ On a CPU the same step runs eagerly, without a graph: that is how the tests comp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -179,12 +180,14 @@ def static_beam_search(
         raise ValueError("a CUDA graph needs the model and src on a CUDA device")
     s = _start(model, src, beam_size, alpha, max_len_a, max_len_b)
     run = functools.partial(_step, model, s, beam_size, alpha, min_len)
-    if graph:
-        run = _graphed(run)  # step 1 ran in the warm-up
-    for _ in range(1 if graph else 0, s.tokens.size(1)):
-        if bool(s.done.all()):
-            break
-        run()
+    # graphs record and replay on the streams of the current device: make it src's (cuda:1 too)
+    with torch.cuda.device(src.device) if graph else contextlib.nullcontext():
+        if graph:
+            run = _graphed(run)  # step 1 ran in the warm-up
+        for _ in range(1 if graph else 0, s.tokens.size(1)):
+            if bool(s.done.all()):
+                break
+            run()
     lengths = s.best_len.tolist()
     tokens = [row[:length] for row, length in zip(s.best_tokens.tolist(), lengths)]
     return SearchResult(tokens, s.best.cpu())
