@@ -42,11 +42,12 @@ the better of its two fp32 GEMMs, MKL and oneDNN; the project's linear layers us
 transformer/linear.py), so MFU is relative to what torch reaches on this machine, not to the hardware.
 Peers that are not installed (`pip install -e ".[bench]"`) are skipped with a note. The sections run
 in the order given, each printed and written to `--json` as soon as it ends (a killed run keeps what
-it measured); a section that fails is noted, the others are still reported, and the run then exits
-with an error. The report ends with the project's goals for the device (bench/report.py: TRAIN_GOAL,
-MEMORY_GOAL_GIB, DECODE_GOALS), met or not. `--json` writes every figure. Sizes: tiny (smoke tests),
-base (the paper's base model: N=6, d_model=512, h=8, d_ff=2048, vocab 37000); the big model is
-d_model=1024, h=16, d_ff=4096.
+it measured; train writes its eager figures before it compiles anything); a section that fails is
+noted, the others are still reported, and the run then exits with an error; a peer that fails (a
+compiled model, a decoder) is left out with a note. The report ends with the project's goals for the
+device (bench/report.py: TRAIN_GOAL, MEMORY_GOAL_GIB, DECODE_GOALS), met or not. `--json` writes every
+figure. Sizes: tiny (smoke tests), base (the paper's base model: N=6, d_model=512, h=8, d_ff=2048,
+vocab 37000); the big model is d_model=1024, h=16, d_ff=4096.
 
 The code, one file per part under bench/: measure.py (timing, interleaving, matmul peak, FLOPs, memory),
 peers.py (the peer models and the CTranslate2 process), train.py, decode.py, data.py (the sections),
@@ -186,8 +187,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     register_cpu_flops()
     report: dict[str, Any] = {"meta": describe(args, setup, cfg), "notes": notes}
     print_header(report["meta"])
+
+    def keep(figures: dict[str, Any] | None = None) -> None:
+        """Add figures to the report and write it: a killed run keeps what it measured."""
+        report.update(figures or {})
+        if args.json is not None:
+            write_json(args.json, report)
+
+    keep()
     sections = {
-        "train": lambda: section_train(args, cfg, setup, peers),
+        "train": lambda: section_train(args, cfg, setup, peers, notes, lambda train: keep({"train": train})),
         "decode": lambda: section_decode(args, cfg, setup, peers, notes),
         "data": lambda: section_data(args),
     }
@@ -200,8 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             notes.append(f"section {name} failed: {type(error).__name__}: {error}")
             failed.append(name)
         release_free_memory(setup.device)
-        if args.json is not None:
-            write_json(args.json, report)
+        keep()
     if "train" in report and not args.big:
         notes.append("big model not measured (--big): its speed is the base speed scaled by counted FLOPs")
     report["targets"] = targets(report)

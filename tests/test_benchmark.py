@@ -131,6 +131,45 @@ def test_a_failing_section_leaves_the_others_reported_and_fails_the_run(monkeypa
     assert "section decode failed: RuntimeError: no such kernel" in report["notes"]
 
 
+def test_eager_figures_are_on_disk_before_compiling_and_a_failed_compile_leaves_only_its_model_out(
+    monkeypatch, tmp_path
+):
+    """Compiling is the train section's longest and likeliest-to-fail part: it comes after the eager
+    figures are written, and a compiler error drops that compiled model with a note, nothing else."""
+    benchmark = load_benchmark(monkeypatch)
+    out = tmp_path / "bench.json"
+    on_disk_when_compiling = []
+
+    class Compiled(torch.nn.Module):  # for torch.compile: ours runs eagerly, the peer's compiler fails
+        def __init__(self, name: str, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.name, self.module = name, module
+
+        def forward(self, *batch):
+            on_disk_when_compiling.append(json.loads(out.read_text()))
+            if self.name != "ours":
+                raise RuntimeError("inductor: no kernel")
+            return self.module(*batch)
+
+    monkeypatch.setattr(sys.modules["bench.train"], "compiled", Compiled)
+    report = benchmark.main([*TINY, "--sections", "train", "--peers", "torch", "--json", str(out)])
+    early = on_disk_when_compiling[0]["train"]
+    assert {(r["model"], r["mode"]) for r in early["fixed"]} == {
+        ("ours", "eager"),
+        ("nn.Transformer", "eager"),
+    }
+    assert early["sampled"]["rows"] and early["projections"]
+    rows = report["train"]["fixed"]
+    assert {(r["model"], r["mode"]) for r in rows} == {
+        ("ours", "eager"), ("nn.Transformer", "eager"), ("ours", "compiled")
+    }  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows)
+    assert (
+        "nn.Transformer compiled failed and is left out: RuntimeError: inductor: no kernel" in report["notes"]
+    )
+    assert json.loads(out.read_text())["train"]["fixed"] == rows
+
+
 def test_projections_take_the_measured_big_speed_for_the_big_budget_only(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from bench.train import PAPER_TOKENS_PER_STEP, projections

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -112,44 +113,47 @@ def padding_fraction(batches: list[Batch]) -> dict[str, float]:
     }
 
 
-def first_steps(trainees: list[Trainee], batch: Batch, setup: Setup, warmup: int) -> dict[int, float]:
-    """Run the untimed warm-up steps (compilation happens here); seconds of each one's first step."""
-    first = {}
-    for i, trainee in enumerate(tqdm(trainees, desc="train warm-up (and compile)", leave=False)):
-        for step in range(warmup):
-            seconds, _ = timed(partial(train_step, trainee, batch, setup), setup.device)
-            if step == 0:
-                first[i] = seconds
-    return first
+def warm_up(trainee: Trainee, batch: Batch, setup: Setup, steps: int) -> float:
+    """Untimed steps (a compiled model compiles in the first); the seconds of the first."""
+    times = [timed(partial(train_step, trainee, batch, setup), setup.device)[0] for _ in range(steps)]
+    return times[0]
 
 
-def step_costs(trainees: list[Trainee], batch: Batch, setup: Setup) -> tuple[dict[str, int], dict[int, Any]]:
-    """Each eager model's FLOPs, counted on a step of its own (a compiled model does the same math: it
-    gets its eager twin's count), and then every model's peak memory over one plain step: activations,
-    gradients and transients above the resident weights and Adam state."""
-    flops, memory = {}, {}
-    for i, trainee in enumerate(trainees):
+def prepare(
+    trainees: list[Trainee], batch: Batch, setup: Setup, warmup: int, facts: dict[int, dict], notes: list[str]
+) -> list[Trainee]:
+    """Warm each model up, count an eager model's FLOPs on a step of its own (a compiled model does the
+    same math: it gets its eager twin's count) and measure its peak memory over one plain step:
+    activations, gradients and transients above the resident weights and Adam state. A compiled model
+    that fails (a compiler error) is left out with a note; the eager ones are the section's core."""
+    ready = []
+    for trainee in tqdm(trainees, desc="train warm-up (and compile)", leave=False):
+        try:
+            first = warm_up(trainee, batch, setup, warmup)
+        except Exception as error:
+            if trainee.mode == "eager":
+                raise
+            notes.append(f"{trainee.name} compiled failed and is left out: {type(error).__name__}: {error}")
+            continue
         step = partial(train_step, trainee, batch, setup)
-        if trainee.mode == "eager":
-            flops[trainee.name] = count_flops(step)  # outside the memory: the counter keeps its own
+        twin = next((f for f in facts.values() if f["name"] == trainee.name), None)
+        flops = twin["flops"] if twin is not None else count_flops(step)  # outside the memory window
         with peak_memory(setup.device) as used:
             step()
-        memory[i] = used["mib"]
-    return flops, memory
+        facts[id(trainee)] = {"name": trainee.name, "first": first, "flops": flops, "memory": used["mib"]}
+        ready.append(trainee)
+    return ready
 
 
 def bench_fixed(
-    trainees: list[Trainee], batch: Batch, setup: Setup, args: argparse.Namespace
+    trainees: list[Trainee], facts: dict[int, dict], batch: Batch, setup: Setup, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """Fixed-shape steps: tokens/s, FLOPs, memory of every model; the models interleaved."""
-    first = first_steps(trainees, batch, setup, args.warmup)
-    flops, memory = step_costs(trainees, batch, setup)
+    """Fixed-shape steps of the prepared models, interleaved: tokens/s, FLOPs, memory."""
     runs = {i: (lambda _, t=t: train_step(t, batch, setup)) for i, t in enumerate(trainees)}
     times = interleave(runs, args.steps, setup.device, "train steps")
-    resident = [resident_mib(t) for t in trainees]
     rows = []
     for i, t in enumerate(trainees):
-        seconds = statistics.median(s for s, _ in times[i])
+        seconds, fact, resident = statistics.median(s for s, _ in times[i]), facts[id(t)], resident_mib(t)
         rows.append(
             {
                 "model": t.name,
@@ -157,11 +161,11 @@ def bench_fixed(
                 "params_m": sum(p.numel() for p in t.module.parameters()) / 1e6,
                 "tokens_per_s": batch.n_tgt_tokens / seconds,
                 "ms_per_step": 1000 * seconds,
-                "gflop_per_step": flops[t.name] / 1e9,
-                "step_peak_mib": memory[i],
-                "resident_mib": resident[i],
-                "peak_total_mib": None if memory[i] is None else resident[i] + memory[i],
-                "first_step_s": first[i],
+                "gflop_per_step": fact["flops"] / 1e9,
+                "step_peak_mib": fact["memory"],
+                "resident_mib": resident,
+                "peak_total_mib": None if fact["memory"] is None else resident + fact["memory"],
+                "first_step_s": fact["first"],
                 "step_times_s": [s for s, _ in times[i]],
             }
         )
@@ -225,7 +229,7 @@ def bench_big(big_cfg: ModelConfig, setup: Setup, batch: Batch, args: argparse.N
     """Target tokens/s of the big model (compiled), at the fixed shape."""
     [trainee] = build_trainees(big_cfg, ["ours"], setup, args.seed, compile=False)
     trainee = replace(trainee, mode="compiled", run=compiled("ours", trainee.module))
-    first_steps([trainee], batch, setup, args.warmup)
+    warm_up(trainee, batch, setup, args.warmup)
     times = interleave(
         {0: lambda _: train_step(trainee, batch, setup)}, args.steps, setup.device, "big steps"
     )
@@ -276,28 +280,63 @@ def projections(
 
 
 def section_train(
-    args: argparse.Namespace, cfg: ModelConfig, setup: Setup, peers: set[str]
+    args: argparse.Namespace,
+    cfg: ModelConfig,
+    setup: Setup,
+    peers: set[str],
+    notes: list[str],
+    publish: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Fixed-shape and sampled-batch steps, model FLOP utilisation against the better of two matmul peaks
-    (measured before and after the timed steps: on a shared machine either may meet a busy moment),
-    and the projections of the paper's budgets."""
+    """Fixed-shape and sampled-batch steps, model FLOP utilisation against the best matmul peak measured
+    around the timed steps (on a shared machine one may meet a busy moment), and the projections of the
+    paper's budgets. The eager models come first and their figures are published (written to the JSON)
+    before anything compiles: compiling takes most of the section's time and is its likeliest failure.
+    Then the compiled models join, and every model is timed again, interleaved with all the others."""
     families = ["ours"] + ["nn.Transformer"] * ("torch" in peers) + ["Marian (HF)"] * ("marian" in peers)
     batch = random_batch(cfg, args.batch, args.length, torch.Generator().manual_seed(args.seed))
     batch = batch.to(setup.device)
     trainees = build_trainees(cfg, families, setup, args.seed, args.compile)
-    peaks = [matmul_peak(setup.device)]
-    fixed = bench_fixed(trainees, batch, setup, args)
-    peaks.append(matmul_peak(setup.device))
-    peak, how = max(peaks)  # (FLOP/s, how): the better one and its own breakdown
-    for row in fixed:
-        row["mfu"] = row["gflop_per_step"] * 1e9 / (row["ms_per_step"] / 1000) / peak
-    sampled = bench_sampled(trainees, cfg, setup, args)
-    del trainees
-    release_free_memory(setup.device)
+    eager = [t for t in trainees if t.mode == "eager"]
     big_cfg = replace(BIG, vocab_size=cfg.vocab_size)
     shape = (args.batch, args.length)
     flop_ratio = meta_step_flops(cfg, *shape) / meta_step_flops(big_cfg, *shape)
-    big = bench_big(big_cfg, setup, batch, args) if args.big else None
+    facts: dict[int, dict] = {}
+    peaks = [matmul_peak(setup.device)]
+    ready = prepare(eager, batch, setup, args.warmup, facts, notes)
+    fixed = bench_fixed(ready, facts, batch, setup, args)
+    sampled = bench_sampled(eager, cfg, setup, args)
+    peaks.append(matmul_peak(setup.device))
+    result = train_result(args, batch, peaks, fixed, sampled, flop_ratio, None)
+    if args.compile:
+        publish(result)
+        ready += prepare(
+            [t for t in trainees if t.mode == "compiled"], batch, setup, args.warmup, facts, notes
+        )
+        fixed = bench_fixed(ready, facts, batch, setup, args)
+        peaks.append(matmul_peak(setup.device))
+        result = train_result(args, batch, peaks, fixed, sampled, flop_ratio, None)
+    del trainees, eager, ready
+    release_free_memory(setup.device)
+    if args.big:
+        publish(result)
+        big = bench_big(big_cfg, setup, batch, args)
+        result = train_result(args, batch, peaks, fixed, sampled, flop_ratio, big)
+    return result
+
+
+def train_result(
+    args: argparse.Namespace,
+    batch: Batch,
+    peaks: list[tuple[float, str]],
+    fixed: list[dict[str, Any]],
+    sampled: dict[str, Any],
+    flop_ratio: float,
+    big: float | None,
+) -> dict[str, Any]:
+    """The section's figures: the rows with their MFU against the best peak, and the projections."""
+    peak, how = max(peaks)  # (FLOP/s, how): the best one and its own breakdown
+    for row in fixed:
+        row["mfu"] = row["gflop_per_step"] * 1e9 / (row["ms_per_step"] / 1000) / peak
     return {
         "shape": {"batch": args.batch, "length": args.length, "target_tokens": batch.n_tgt_tokens},
         "peak_tflops": peak / 1e12,
