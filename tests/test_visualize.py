@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from transformer import visualize
 from transformer.config import ConfigError, VisualizeConfig
 from transformer.translation import Translator
 from transformer.visualize import attention_figures
@@ -59,3 +60,21 @@ def test_script_writes_three_pngs_and_tensorboard_events(tiny_checkpoint, tmp_pa
     assert names[:3] == ["cross.png", "decoder_self.png", "encoder_self.png"]
     assert len(names) == 4 and names[3].startswith("events.out.tfevents")
     assert all((tmp_path / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names[:3])
+
+
+def test_heatmaps_refuse_a_long_text_and_show_the_start_of_a_long_translation(
+    tiny_checkpoint, tmp_path, monkeypatch, caplog
+):
+    """Panels grow with the pieces: a 600-piece translation would take gigabytes to draw."""
+    monkeypatch.setattr(visualize, "MAX_PIECES", 8)
+    translator = Translator.from_checkpoint(VisualizeConfig(checkpoint=str(tiny_checkpoint), text="x"))
+    monkeypatch.setattr(translator, "translate_ids", lambda ids: pytest.fail("translated a refused text"))
+    with pytest.raises(ConfigError, match="pieces long .EOS included.; a heatmap shows at most 8"):
+        visualize.draw_attention(translator, "The cat sees the house. A dog likes a red ball.", -1, tmp_path)
+    long_output = translator.encode(["The cat sees the house. A dog likes a red ball."])[0][:-1]
+    monkeypatch.setattr(translator, "translate_ids", lambda ids: [long_output])
+    translation, _, figures = visualize.draw_attention(translator, "A", -1, tmp_path)
+    assert translation == translator.tokenizer.decode(long_output)  # the whole translation is returned
+    rows = figures["decoder_self"].axes[0].get_yticklabels()
+    assert [t.get_text() for t in rows] == translator.tokenizer.pieces([2] + long_output[:7])
+    assert f"the translation is {len(long_output)} pieces long; the heatmaps show its first 7" in caplog.text

@@ -8,6 +8,7 @@ machines without a display and can be handed to TensorBoard's `SummaryWriter.add
 from __future__ import annotations
 
 import io
+import logging
 import math
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from transformer.config import ConfigError, VisualizeConfig
 from transformer.data.tokenizer import BOS_ID, Tokenizer
 from transformer.model import Transformer
 from transformer.translation import Translator
+
+log = logging.getLogger(__name__)
+
+# Pieces per side of a heatmap: past this the labels cannot be read, and the image (its panels grow
+# with the pieces) takes gigabytes.
+MAX_PIECES = 64
 
 KINDS = {  # kind -> (title, query side, key side)
     "encoder_self": ("encoder self-attention", "source", "source"),
@@ -108,8 +115,18 @@ def draw_attention(
     """Translate `text`, then write its heatmaps for `layer` into `out_dir`.
     Returns the translation, the PNG paths and the figures."""
     src_ids = translator.encode([" ".join(text.splitlines())])[0]
+    if len(src_ids) > MAX_PIECES:
+        raise ConfigError(
+            f"the text is {len(src_ids)} pieces long (EOS included); a heatmap shows at most {MAX_PIECES}: "
+            "pass a shorter sentence"
+        )
     output_ids = translator.translate_ids([src_ids])[0]
-    figures = attention_figures(translator.model, translator.tokenizer, src_ids, output_ids, layer)
+    shown = output_ids[: MAX_PIECES - 1]  # with BOS; causal: the first positions' weights are the same
+    if len(shown) < len(output_ids):
+        log.warning(
+            "the translation is %d pieces long; the heatmaps show its first %d", len(output_ids), len(shown)
+        )
+    figures = attention_figures(translator.model, translator.tokenizer, src_ids, shown, layer)
     return translator.tokenizer.decode(output_ids), save_figures(figures, out_dir), figures
 
 
