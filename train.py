@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # also runs from a che
 from transformer.config import ConfigError, TrainConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
 from transformer.finish import check_finish, finish  # noqa: E402
-from transformer.training import TrainingError, train  # noqa: E402
+from transformer.training import TrainingError, TrainingStopped, train  # noqa: E402
 from transformer.training.checkpoint import CheckpointError  # noqa: E402
 
 
@@ -40,6 +40,8 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, DataError, CheckpointError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as stopped:  # saved; the status tells a scheduler the run is not finished
+        sys.exit(stopped.exit_status)
 
 
 if __name__ == "__main__":

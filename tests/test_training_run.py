@@ -130,6 +130,16 @@ def test_resume_from_an_explicit_checkpoint_into_a_new_run_directory(corpus, uni
     assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt"))
 
 
+def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(
+    corpus, uninterrupted, tmp_path, caplog
+):
+    start = uninterrupted / "checkpoints" / "checkpoint_7.pt"
+    with caplog.at_level(logging.WARNING):
+        train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=5", f"trainer.resume={start}")))
+    assert f"{start} is at step 7, trainer.max_steps=5: nothing left to train" in caplog.text
+    assert list_checkpoints(tmp_path) == []
+
+
 def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(
     corpus, uninterrupted, tmp_path, monkeypatch
 ):
@@ -220,7 +230,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
     assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_10.pt"))
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, uninterrupted, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_with_the_status_of_the_signal(corpus, uninterrupted, tmp_path):
     args = overrides(corpus, tmp_path, "trainer.max_steps=100000", "trainer.save_every_steps=3")
     process = subprocess.Popen(
         [sys.executable, ROOT / "train.py", *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -231,8 +241,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, uninterrupted, tmp
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=120)[0].decode()
-    assert process.returncode == 0, output
-    assert "stopped at step" in output
+    assert process.returncode == 128 + signal.SIGTERM, output  # as if killed by it: the run is not done
+    assert "stopped at step" in output and "Traceback" not in output
     stopped = load_checkpoint(list_checkpoints(tmp_path)[-1])
     assert stopped["step"] >= 3
     if stopped["step"] <= 12:  # the same state as the in-process run at that step

@@ -1,5 +1,5 @@
 """Training (§5): label-smoothed loss, the learning-rate schedule, checkpoints and the train loop."""
 
-from transformer.training.loop import TrainingError, train
+from transformer.training.loop import TrainingError, TrainingStopped, train
 
-__all__ = ["TrainingError", "train"]
+__all__ = ["TrainingError", "TrainingStopped", "train"]

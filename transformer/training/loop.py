@@ -76,8 +76,19 @@ class TrainingError(RuntimeError):
     """Training cannot go on (out of memory, a diverging loss); the message says what to change."""
 
 
+class TrainingStopped(Exception):
+    """A signal (SIGTERM, Ctrl-C; on any rank) stopped the run after a checkpoint of `step`."""
+
+    def __init__(self, step: int, signal_name: str | None) -> None:
+        super().__init__(f"stopped at step {step} by {signal_name or 'a signal on another rank'}")
+        self.step = step
+        # a process's exit status after a signal: 128 + its number (SIGTERM 143, Ctrl-C 130)
+        self.exit_status = 128 + signal.Signals[signal_name or "SIGTERM"].value
+
+
 def train(cfg: TrainConfig) -> Path:
-    """Train until trainer.max_steps, or until SIGTERM / Ctrl-C (after a checkpoint); returns the run dir."""
+    """Train until trainer.max_steps and return the run directory; SIGTERM or Ctrl-C save a checkpoint,
+    then raise TrainingStopped."""
     t = cfg.trainer
     run_dir = Path(t.run_dir)
     _check_resume_setting(t, run_dir)
@@ -85,6 +96,14 @@ def train(cfg: TrainConfig) -> Path:
     try:
         # a checkpoint that cannot resume this run is refused before the data is prepared
         found = _find_resume(t, run_dir) if t.resume != "never" else None
+        if found is not None and found[1]["step"] >= t.max_steps and runtime.is_main:
+            log.warning(
+                "%s is at step %d, trainer.max_steps=%d: nothing left to train (raise trainer.max_steps "
+                "to train on)",
+                found[0],
+                found[1]["step"],
+                t.max_steps,
+            )
         # --- data: rank 0 prepares the corpus (a quick check when it is ready), the others wait
         if runtime.is_main:
             prepare(cfg.data)
@@ -178,7 +197,7 @@ def train(cfg: TrainConfig) -> Path:
                     last_save = time.monotonic()
                 if stop:
                     log.warning("stopped at step %d by a signal; continue with trainer.resume=auto", run.step)
-                    break
+                    raise TrainingStopped(run.step, stop_signal.received)
         return run_dir
     finally:
         shutdown(runtime)
