@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> Path:
     else:
         if args.last < 1:
             raise CheckpointError(f"--last={args.last} must be at least 1")
+        if not args.run_dir.is_dir():
+            raise CheckpointError(f"--run-dir={args.run_dir} is not a directory")
+        if args.run_dir.name == "checkpoints" and list_checkpoints(args.run_dir.parent):
+            raise CheckpointError(
+                f"--run-dir takes the run directory ({args.run_dir.parent}), not its checkpoints/"
+            )
         found = list_checkpoints(args.run_dir)
         if len(found) < args.last:
             raise CheckpointError(

@@ -5,7 +5,8 @@
   python scripts/evaluate.py checkpoint=... data=multi30k data.source=local data.path=../shared/data/multi30k
 
 Writes <checkpoint>.<data>.<split>.<search>.bleu.json and .hyp.<lang> beside the checkpoint (search:
-beam4.alpha0.6 by default, greedy for beam_size=1), so scores of other decoding settings sit side by side.
+beam4.alpha0.6 by default, greedy for beam_size=1, then .len<a>x+<b> for other max_len_a/max_len_b), so
+scores of other decoding settings sit side by side.
 """
 
 import logging

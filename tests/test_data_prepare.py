@@ -252,8 +252,22 @@ def test_hf_errors_name_the_dataset_and_split(tmp_path):
     cfg = DataConfig(source="hf", path=str(tmp_path / "saved"), src_lang="fr", dir=str(tmp_path / "out"))
     with pytest.raises(DataError, match="has no fr text; it has: de, en"):
         prepare(cfg)
-    with pytest.raises(DataError, match="cannot load the Hugging Face dataset"):
+    with pytest.raises(DataError, match="cannot load the Hugging Face dataset") as error:
         prepare(DataConfig(source="hf", path=str(tmp_path / "nothing"), dir=str(tmp_path / "out")))
+    assert "offline" not in str(error.value)
+
+
+def test_an_unreachable_hub_names_the_offline_route(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*_args, **_kwargs):
+        raise ConnectionError("Couldn't reach 'wmt/wmt14' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(
+        DataError, match="Hub .LocalEntryNotFoundError.; offline, data.source=local data.path=DIR"
+    ):
+        prepare(DataConfig(source="hf", dir=str(tmp_path / "out")))
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "multi30k").is_dir(), reason="../shared/data/multi30k is absent")

@@ -127,7 +127,7 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert "41.02" in done.stdout and "tokenized_lowercase" in done.stdout
-    report = tmp_path / "checkpoint_last.pt.multi30k.test.beam2.alpha0.6"
+    report = tmp_path / "checkpoint_last.pt.multi30k.test.beam2.alpha0.6.len1x+10"  # not §6.1's limit: named
     result = json.loads(Path(f"{report}.bleu.json").read_text())
     hypotheses = Path(f"{report}.hyp.de").read_text().splitlines()
     assert len(hypotheses) == result["sentences"] == 3 and result["split_name"] == "test_2016_flickr"
@@ -135,7 +135,9 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     assert result["scores"]["tokenized_lowercase"]["score"] == pytest.approx(expected)
     greedy = [arg if arg != "beam_size=2" else "beam_size=1" for arg in command]
     assert subprocess.run(greedy, capture_output=True, cwd=ROOT, timeout=300, env=env).returncode == 0
-    greedy_report = json.loads((tmp_path / "checkpoint_last.pt.multi30k.test.greedy.bleu.json").read_text())
+    greedy_report = json.loads(
+        (tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.bleu.json").read_text()
+    )
     assert greedy_report["settings"]["beam_size"] == 1
     assert json.loads(Path(f"{report}.bleu.json").read_text()) == result  # not overwritten
     command[-1] = f"data.path={tmp_path / 'nowhere'}"

@@ -131,6 +131,12 @@ def test_average_script(tmp_path):
         [sys.executable, script, "--run-dir", tmp_path, "--last", "7"], capture_output=True, text=True
     )
     assert too_many.returncode == 2 and too_many.stderr.startswith("error:") and "--last=7" in too_many.stderr
+    for run_dir, message in [
+        (tmp_path / "checkpoints", f"--run-dir takes the run directory ({tmp_path}), not its checkpoints/"),
+        (tmp_path / "nope", f"--run-dir={tmp_path / 'nope'} is not a directory"),
+    ]:
+        wrong = subprocess.run([sys.executable, script, "--run-dir", run_dir], capture_output=True, text=True)
+        assert wrong.returncode == 2 and wrong.stderr == f"error: {message}\n"
 
 
 def test_a_checkpoint_without_resume_state_is_not_resumed_from(tmp_path, caplog):
@@ -155,3 +161,13 @@ def test_a_checkpoint_naming_the_old_padding_setting_still_loads_and_averages(tm
     assert "pad_id" not in loaded["model_config"] and "pad_id" not in loaded["config"]["model"]
     model_from_checkpoint(loaded)
     average_checkpoints(list_checkpoints(tmp_path))  # one model configuration
+
+
+@pytest.mark.parametrize("given", ["run", "checkpoints"])
+def test_a_directory_given_as_checkpoint_is_answered_with_the_file_inside(tmp_path, given):
+    last = tmp_path / "run" / "checkpoints" / "checkpoint_last.pt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"")
+    directory = tmp_path / "run" if given == "run" else last.parent
+    with pytest.raises(CheckpointError, match=f"is a directory; pass a checkpoint file .e.g. {last}.$"):
+        load_checkpoint(directory)

@@ -13,6 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from transformer.config import ConfigError, TrainConfig, TrainerConfig, from_dict
+from transformer.finish import _next_steps
 from transformer.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,6 +212,15 @@ def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):
         "choose another or finish.evaluate_split=null"
     )
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("experiment, suggested", [("demo", True), ("paper_base", False)])
+def test_the_next_steps_suggest_the_papers_run_only_to_runs_on_other_data(experiment, suggested, capsys):
+    cfg = composed(f"experiment={experiment}")
+    _next_steps(cfg, Path("runs/x"), Path("runs/x/checkpoints/checkpoint_last.pt"), [])
+    shown = capsys.readouterr().out
+    assert "translate.py checkpoint=runs/x/checkpoints/checkpoint_last.pt" in shown
+    assert ("python train.py experiment=paper_base" in shown) == suggested
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

@@ -313,7 +313,7 @@ class EvaluateConfig(DecodeConfig):
     """`scripts/evaluate.py`: BLEU of a checkpoint on one split (role) of a corpus."""
 
     data: DataConfig = field(default_factory=DataConfig)
-    split: str = "test"  # role: valid | test
+    split: str = "test"  # role: valid | test | train
     lowercase: bool | None = None  # also score lowercased; None = where the published figures are
 
     def __post_init__(self) -> None:

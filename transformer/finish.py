@@ -80,4 +80,5 @@ def _next_steps(cfg: TrainConfig, run_dir: Path, checkpoint: Path, written: list
     print(f"  echo {example} | python translate.py checkpoint={ckpt}")
     print(f"  python scripts/visualize_attention.py checkpoint={ckpt} text='\"...\"'")
     print(f"  tensorboard --logdir {shlex.quote(str(run_dir))}")
-    print("  python scripts/prepare_data.py data=wmt14_en_de && python train.py experiment=paper_base")
+    if cfg.data.name != "wmt14_en_de":  # the paper's run, for those who have not started it
+        print("  python scripts/prepare_data.py data=wmt14_en_de && python train.py experiment=paper_base")

@@ -125,7 +125,10 @@ def _read_hf(cfg: DataConfig) -> dict[str, Split]:
             corpus = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config)
     except (FileNotFoundError, ConnectionError, ValueError) as error:  # not found, offline, bad config
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"cannot load the Hugging Face dataset {where}: {message}") from None
+        offline = (
+            "" if cfg.path is not None else "; offline, data.source=local data.path=DIR reads text files"
+        )
+        raise DataError(f"cannot load the Hugging Face dataset {where}: {message}{offline}") from None
     if not isinstance(corpus, datasets.DatasetDict):
         raise DataError(f"{where} holds a single dataset; it must be a DatasetDict with named splits")
     splits = {}

@@ -41,6 +41,7 @@ from transformer.model import Transformer
 FORMAT = "transformer-checkpoint"
 RESUME_KEYS = ("optimizer", "scheduler", "data_state", "rng")
 _NUMBERED = re.compile(r"checkpoint_(\d+)\.pt")
+LAST = "checkpoint_last.pt"  # a copy of the newest numbered checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        raise CheckpointError(
-            f"{path} is a directory; pass a checkpoint file (e.g. {path}/checkpoint_last.pt)"
-        )
+    if path.is_dir():  # a run directory, or its checkpoints/
+        inside = [p for p in (checkpoint_dir(path) / LAST, path / LAST) if p.is_file()]
+        example = inside[0] if inside else checkpoint_dir(path) / LAST
+        raise CheckpointError(f"{path} is a directory; pass a checkpoint file (e.g. {example})")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt or not a torch file at all
@@ -114,7 +115,7 @@ def save_checkpoint(ckpt: dict[str, Any], run_dir: str | Path, keep_last: int) -
     directory = checkpoint_dir(run_dir)
     path = directory / f"checkpoint_{ckpt['step']}.pt"
     atomic_save(ckpt, path)
-    _atomic_copy(path, directory / "checkpoint_last.pt")
+    _atomic_copy(path, directory / LAST)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
