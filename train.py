@@ -6,7 +6,8 @@
 
 Any setting can be overridden (`trainer.max_steps=1000 model=tiny data=multi30k`); a wrong value is
 reported in one line and the exit status is 2 (a key that does not exist is refused by Hydra itself).
-A run in an existing run directory continues from its newest checkpoint (trainer.resume=auto).
+A run in an existing run directory continues from its newest checkpoint (trainer.resume=auto). SIGTERM
+or Ctrl-C saves a checkpoint, then exits with the status of a process the signal killed (143, 130).
 """
 
 import os

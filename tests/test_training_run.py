@@ -21,7 +21,7 @@ from transformer.config import ConfigError, TrainConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
 from transformer.data.prepare import prepare
-from transformer.training import train
+from transformer.training import TrainingStopped, loop, train
 from transformer.training.checkpoint import (
     CheckpointError,
     atomic_save,
@@ -248,6 +248,35 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_status_of_the_signal(corp
     if stopped["step"] <= 12:  # the same state as the in-process run at that step
         reference = load_checkpoint(uninterrupted / "checkpoints" / f"checkpoint_{stopped['step']}.pt")
         assert_same_state(stopped, reference)
+
+
+def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(corpus, tmp_path, monkeypatch):
+    """train() raises TrainingStopped after the checkpoint; a rank that exited while rank 0 still wrote
+    would make torchrun stop (and kill) rank 0, so every rank first waits for it."""
+    events = []
+    save, step = loop.Run.save, Monitor.step
+
+    def saving(run, data_state):
+        save(run, data_state)
+        events.append(("saved", run.step))
+
+    def signalled_at_step_2(monitor, n, stats):
+        step(monitor, n, stats)
+        if n == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(loop.Run, "save", saving)
+    monkeypatch.setattr(Monitor, "step", signalled_at_step_2)
+    monkeypatch.setattr(loop, "wait_for_main", lambda runtime: events.append(("waited", None)))
+    with pytest.raises(TrainingStopped, match=r"stopped at step \d+ by SIGTERM") as stopped:
+        train(
+            compose_config(
+                overrides(corpus, tmp_path, "trainer.max_steps=1000", "trainer.eval_every_steps=0")
+            )
+        )
+    assert stopped.value.exit_status == 128 + signal.SIGTERM and stopped.value.step >= 2
+    assert events[-2:] == [("saved", stopped.value.step), ("waited", None)]
+    assert load_checkpoint(list_checkpoints(tmp_path)[-1])["step"] == stopped.value.step
 
 
 def tensorboard_scalars(run_dir: Path, tag: str) -> list[float]:

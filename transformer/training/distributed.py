@@ -134,7 +134,8 @@ def gather_objects(obj: object, runtime: Runtime) -> list[object]:
 
 
 def wait_for_main(runtime: Runtime) -> None:
-    """Hold the other ranks until rank 0 has finished work they depend on (data preparation)."""
+    """Hold the other ranks until rank 0 has finished work they depend on (data preparation, the
+    checkpoint of a stopped run)."""
     if runtime.distributed:
         dist.barrier(group=runtime.prepare_group)
 

@@ -196,6 +196,9 @@ def train(cfg: TrainConfig) -> Path:
                     run.save(consumed)
                     last_save = time.monotonic()
                 if stop:
+                    # every rank stays until rank 0 has written the checkpoint: torchrun stops (and
+                    # after 30 s kills) the other processes as soon as one exits with an error status
+                    wait_for_main(runtime)
                     log.warning("stopped at step %d by a signal; continue with trainer.resume=auto", run.step)
                     raise TrainingStopped(run.step, stop_signal.received)
         return run_dir
