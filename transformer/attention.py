@@ -162,8 +162,8 @@ class StaticKV:
     def append(self, k: Tensor, v: Tensor) -> StaticKV:
         """k (B, H_kv, 1, d_k), v (B, H_kv, 1, d_v): the keys and values at `position`, written in place."""
         at = self.position.view(1)
-        self.k.index_copy_(2, at, k.to(self.k.dtype))  # under autocast: bf16 keys, float32 buffers
-        self.v.index_copy_(2, at, v.to(self.v.dtype))
+        self.k.index_copy_(2, at, k)
+        self.v.index_copy_(2, at, v)
         return self
 
     def reorder_(self, rows: Tensor) -> None:

@@ -74,12 +74,13 @@ def _start(model: Transformer, src: Tensor, k: int, alpha: float, max_len_a: flo
     key_mask = torch.zeros(1, limit, dtype=torch.bool, device=device)
     self_kv, cross_kv = [], []
     for layer in model.decoder:
-        attn = layer.self_attn
-        k_buf = memory.new_zeros(n * k, attn.n_kv_heads, limit, attn.d_k)
-        v_buf = memory.new_zeros(n * k, attn.n_kv_heads, limit, attn.d_v)
-        self_kv.append(StaticKV(k_buf, v_buf, position, key_mask))
         cross = layer.cross_attn.project_kv(memory)
         cross_kv.append(KV(cross.k.contiguous(), cross.v.contiguous()))
+        # in the dtype the projections give (under autocast, its dtype; memory may be float32)
+        attn, dtype = layer.self_attn, cross.k.dtype
+        k_buf = memory.new_zeros(n * k, attn.n_kv_heads, limit, attn.d_k, dtype=dtype)
+        v_buf = memory.new_zeros(n * k, attn.n_kv_heads, limit, attn.d_v, dtype=dtype)
+        self_kv.append(StaticKV(k_buf, v_buf, position, key_mask))
     scores = torch.full((n, k), NEG_INF, device=device)
     scores[:, 0] = 0.0  # one live hypothesis per sentence at first: [BOS]
     return _State(
@@ -155,8 +156,10 @@ def _graphed(step: Callable[[], None]) -> Callable[[], None]:
         step()
     torch.cuda.current_stream().wait_stream(stream)
     graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    # captured on the warm-up's stream, of src's device (torch's default capture stream is made once
+    # per process, on whichever device was current at the first capture)
     for graph in graphs:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             step()
     turns = itertools.cycle(graphs)
     return lambda: next(turns).replay()
