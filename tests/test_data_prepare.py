@@ -257,17 +257,25 @@ def test_hf_errors_name_the_dataset_and_split(tmp_path):
     assert "offline" not in str(error.value)
 
 
-def test_an_unreachable_hub_names_the_offline_route(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "error, hint",
+    [
+        # what datasets raises with no network
+        (ConnectionError("Couldn't reach 'wmt14' on the Hub (LocalEntryNotFoundError)"), True),
+        (ValueError("BuilderConfig 'de-xx' not found"), False),  # a wrong data.hf_config: not offline
+    ],
+)
+def test_an_unreachable_hub_names_the_offline_route(tmp_path, monkeypatch, error, hint):
     datasets = pytest.importorskip("datasets")
 
-    def offline(*_args, **_kwargs):
-        raise ConnectionError("Couldn't reach 'wmt/wmt14' on the Hub (LocalEntryNotFoundError)")
+    def load_dataset(*_args, **_kwargs):
+        raise error
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(
-        DataError, match="Hub .LocalEntryNotFoundError.; offline, data.source=local data.path=DIR"
-    ):
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(DataError, match="cannot load the Hugging Face dataset") as raised:
         prepare(DataConfig(source="hf", dir=str(tmp_path / "out")))
+    assert str(error) in str(raised.value)
+    assert str(raised.value).endswith("; offline, data.source=local data.path=DIR reads text files") == hint
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "multi30k").is_dir(), reason="../shared/data/multi30k is absent")

@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import make_tiny_checkpoint
+from test_training_config import composed
 
 from transformer import visualize
 from transformer.config import ConfigError, VisualizeConfig
+from transformer.finish import finish
+from transformer.training.checkpoint import RESUME_KEYS, atomic_save, load_checkpoint
 from transformer.translation import Translator
 from transformer.visualize import attention_figures
 
@@ -78,3 +82,19 @@ def test_heatmaps_refuse_a_long_text_and_show_the_start_of_a_long_translation(
     rows = figures["decoder_self"].axes[0].get_yticklabels()
     assert [t.get_text() for t in rows] == translator.tokenizer.pieces([2] + long_output[:7])
     assert f"the translation is {len(long_output)} pieces long; the heatmaps show its first 7" in caplog.text
+
+
+def test_the_finish_stage_notes_a_text_too_long_to_draw_and_goes_on(tmp_path, capsys):
+    """It is found out after training (counting pieces needs the tokenizer): not worth failing the run."""
+    path = make_tiny_checkpoint(tmp_path / "checkpoints" / "checkpoint_0.pt")
+    ckpt = load_checkpoint(path)
+    atomic_save(ckpt | {k: {} for k in RESUME_KEYS}, path)  # what finish takes for a run's checkpoint
+    cfg = composed(
+        "experiment=demo", "trainer.max_steps=1", "finish.average_last=0", "finish.evaluate_split=null",
+        "finish.examples=[A dog.]", f"finish.attention_text={' '.join(['The cat sees the house.'] * 20)}",
+    )  # fmt: skip
+    cfg.trainer.max_steps = 0  # the checkpoint's step: the run is complete
+    assert finish(cfg, tmp_path) == tmp_path / "checkpoints" / "checkpoint_0.pt"
+    out = capsys.readouterr().out
+    assert "no attention heatmaps: the text is" in out and "a heatmap shows at most 64" in out
+    assert "A dog.\n    -> " in out and "next:" in out and not (tmp_path / "attention").exists()

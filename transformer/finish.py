@@ -35,7 +35,7 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     """Run the finish stage when the run is complete; returns the checkpoint it used (None if skipped)."""
     found = latest_checkpoint(run_dir)
     if found is None or found[1]["step"] < cfg.trainer.max_steps:
-        return None  # stopped early (a signal): nothing final to report yet
+        return None  # an unfinished run: nothing final to report yet
     f = cfg.finish
     checkpoint = found[0]
     if f.average_last > 0:
@@ -56,7 +56,10 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     for source, output in zip(f.examples, translator.translate(list(f.examples))):
         print(f"  {source}\n    -> {output}")
     if f.attention_text:
-        written += draw_attention(translator, f.attention_text, -1, run_dir / "attention")[1]
+        try:
+            written += draw_attention(translator, f.attention_text, -1, run_dir / "attention")[1]
+        except ConfigError as error:  # found out only now (pieces need the tokenizer): not worth a failed run
+            print(f"\nno attention heatmaps: {error}")
     _next_steps(cfg, run_dir, checkpoint, written)
     return checkpoint
 

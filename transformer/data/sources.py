@@ -125,10 +125,9 @@ def _read_hf(cfg: DataConfig) -> dict[str, Split]:
             corpus = datasets.load_dataset(cfg.hf_dataset, cfg.hf_config)
     except (FileNotFoundError, ConnectionError, ValueError) as error:  # not found, offline, bad config
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        offline = (
-            "" if cfg.path is not None else "; offline, data.source=local data.path=DIR reads text files"
-        )
-        raise DataError(f"cannot load the Hugging Face dataset {where}: {message}{offline}") from None
+        unreachable = isinstance(error, ConnectionError) and cfg.path is None  # the hub, offline
+        hint = "; offline, data.source=local data.path=DIR reads text files" if unreachable else ""
+        raise DataError(f"cannot load the Hugging Face dataset {where}: {message}{hint}") from None
     if not isinstance(corpus, datasets.DatasetDict):
         raise DataError(f"{where} holds a single dataset; it must be a DatasetDict with named splits")
     splits = {}
