@@ -120,7 +120,12 @@ def warm_up(trainee: Trainee, batch: Batch, setup: Setup, steps: int) -> float:
 
 
 def prepare(
-    trainees: list[Trainee], batch: Batch, setup: Setup, warmup: int, facts: dict[int, dict], notes: list[str]
+    trainees: list[Trainee],
+    batch: Batch,
+    setup: Setup,
+    warmup: int,
+    facts: dict[tuple, dict],
+    notes: list[str],
 ) -> list[Trainee]:
     """Warm each model up, count an eager model's FLOPs on a step of its own (a compiled model does the
     same math: it gets its eager twin's count) and measure its peak memory over one plain step:
@@ -136,24 +141,25 @@ def prepare(
             notes.append(f"{trainee.name} compiled failed and is left out: {type(error).__name__}: {error}")
             continue
         step = partial(train_step, trainee, batch, setup)
-        twin = next((f for f in facts.values() if f["name"] == trainee.name), None)
+        twin = facts.get((trainee.name, "eager"))  # prepared first
         flops = twin["flops"] if twin is not None else count_flops(step)  # outside the memory window
         with peak_memory(setup.device) as used:
             step()
-        facts[id(trainee)] = {"name": trainee.name, "first": first, "flops": flops, "memory": used["mib"]}
+        facts[trainee.name, trainee.mode] = {"first": first, "flops": flops, "memory": used["mib"]}
         ready.append(trainee)
     return ready
 
 
 def bench_fixed(
-    trainees: list[Trainee], facts: dict[int, dict], batch: Batch, setup: Setup, args: argparse.Namespace
+    trainees: list[Trainee], facts: dict[tuple, dict], batch: Batch, setup: Setup, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     """Fixed-shape steps of the prepared models, interleaved: tokens/s, FLOPs, memory."""
     runs = {i: (lambda _, t=t: train_step(t, batch, setup)) for i, t in enumerate(trainees)}
     times = interleave(runs, args.steps, setup.device, "train steps")
     rows = []
     for i, t in enumerate(trainees):
-        seconds, fact, resident = statistics.median(s for s, _ in times[i]), facts[id(t)], resident_mib(t)
+        seconds = statistics.median(s for s, _ in times[i])
+        fact, resident = facts[t.name, t.mode], resident_mib(t)
         rows.append(
             {
                 "model": t.name,
@@ -300,7 +306,7 @@ def section_train(
     big_cfg = replace(BIG, vocab_size=cfg.vocab_size)
     shape = (args.batch, args.length)
     flop_ratio = meta_step_flops(cfg, *shape) / meta_step_flops(big_cfg, *shape)
-    facts: dict[int, dict] = {}
+    facts: dict[tuple, dict] = {}  # (model, mode) -> first step s, FLOPs, memory
     peaks = [matmul_peak(setup.device)]
     ready = prepare(eager, batch, setup, args.warmup, facts, notes)
     fixed = bench_fixed(ready, facts, batch, setup, args)
