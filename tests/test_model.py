@@ -2,6 +2,7 @@
 
 import math
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,15 +275,83 @@ def test_residual_and_layer_norm_placement(norm_first):
     assert isinstance(model.decoder_norm, torch.nn.LayerNorm) == norm_first
 
 
-def test_initialisation():
-    model = Transformer(ModelConfig(vocab_size=5000, d_model=256, n_heads=4, d_ff=1024, n_layers=1))
-    std = model.embed.weight.std().item()
-    assert std == pytest.approx(256**-0.5, rel=0.05)
-    w = model.encoder[0].self_attn.w_qkv.weight
-    for block in w.split(model.encoder[0].self_attn.splits):  # Xavier per projection: U(-a, a)
-        bound = math.sqrt(6 / (256 + 256))
-        assert block.abs().max().item() <= bound and block.abs().max().item() > 0.95 * bound
-    assert (model.encoder[0].ffn.w_1.bias == 0).all()
+def xavier_bound(fan_in: int, fan_out: int, gain: float = 1.0) -> float:
+    """Glorot & Bengio's U(-a, a): a = gain * sqrt(6 / (fan_in + fan_out))."""
+    return gain * math.sqrt(6 / (fan_in + fan_out))
+
+
+def expected_uniform_bounds(init: str, d: int, d_ff: int) -> dict[str, list[float]]:
+    """Each weight's U(-a, a) bounds by scheme, block by block along the output rows (0 = all zeros),
+    written from the reference implementations' formulas."""
+    if init == "t2t":  # tensor2tensor: Xavier on each matrix as it lays them out (Q|K|V, Q and K|V fused)
+        attn = {"self_attn.w_qkv": [xavier_bound(d, 3 * d)], "cross_attn.w_q": [xavier_bound(d, d)]}
+        attn["cross_attn.w_kv"] = [xavier_bound(d, 2 * d)]
+        ffn = {"w_1.weight": xavier_bound(d, d_ff), "w_1.bias": 0, "w_2.weight": xavier_bound(d_ff, d)}
+        ffn["w_2.bias"] = 0
+    else:  # fairseq: gain 1/sqrt(2) on each of W^Q, W^K, W^V; xavier: gain 1
+        block = xavier_bound(d, d, 2**-0.5 if init == "fairseq" else 1.0)
+        attn = {"self_attn.w_qkv": [block] * 3, "cross_attn.w_q": [block], "cross_attn.w_kv": [block] * 2}
+        if init == "fairseq":  # torch.nn.Linear's own init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), biases too
+            ffn = {
+                "w_1.weight": d**-0.5,
+                "w_1.bias": d**-0.5,
+                "w_2.weight": d_ff**-0.5,
+                "w_2.bias": d_ff**-0.5,
+            }
+        else:
+            ffn = {"w_1.weight": xavier_bound(d, d_ff), "w_1.bias": 0, "w_2.weight": xavier_bound(d_ff, d)}
+            ffn["w_2.bias"] = 0
+    bounds = {}
+    for stack in ("encoder", "decoder"):
+        for name, blocks in attn.items():
+            if stack == "decoder" or name.startswith("self_attn"):
+                bounds[f"{stack}.0.{name}.weight"] = blocks
+                bounds[f"{stack}.0.{name.split('.')[0]}.w_o.weight"] = [xavier_bound(d, d)]
+        for name, bound in ffn.items():
+            bounds[f"{stack}.0.ffn.{name}"] = [bound]
+    return bounds
+
+
+@pytest.mark.parametrize("init", ["t2t", "fairseq", "xavier"])
+def test_each_initialisation_scheme_draws_every_weight_from_its_formula(init):
+    d, d_ff = 256, 1024
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=5000, d_model=d, n_heads=4, d_ff=d_ff, n_layers=1, init=init))
+    params = dict(model.named_parameters())
+    bounds = expected_uniform_bounds(init, d, d_ff)
+    linear = {name for name, p in params.items() if not name.startswith("embed") and "res_" not in name}
+    assert linear == set(bounds)  # every weight and bias of the stacks has its formula
+    for name, expected in bounds.items():
+        for block, bound in zip(params[name].detach().chunk(len(expected)), expected):
+            if bound == 0:
+                assert (block == 0).all(), name
+                continue
+            assert block.abs().max().item() <= bound, name  # U(-a, a): never beyond a, close to it,
+            assert block.abs().max().item() > 0.97 * bound, name
+            assert block.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.05), (
+                name
+            )  # std a / sqrt(3)
+    embedding = model.embed.weight.detach()[1:]
+    assert embedding.std().item() == pytest.approx(d**-0.5, rel=0.02)  # N(0, d_model^-0.5) in every scheme
+    assert embedding.mean().abs().item() < 0.01 * d**-0.5
+    pad_row = model.embed.weight.detach()[PAD]
+    assert (pad_row == 0).all() if init == "fairseq" else (pad_row != 0).all()  # fairseq's padding_idx row
+    for name, p in params.items():
+        if "res_" in name:  # LayerNorm: gain 1, bias 0
+            assert (p == (1.0 if name.endswith("weight") else 0.0)).all(), name
+
+
+def test_xavier_initialisation_is_the_same_as_before_the_schemes_existed():
+    """`model.init=xavier` keeps, for the same seed, the very weights of the single scheme before
+    (tests/data/xavier_init_seed0.pt: written by that code with this seed and configuration)."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=40, d_model=16, n_heads=4, d_ff=24, n_layers=2, n_kv_heads=2, max_positions=8)
+    model = Transformer(ModelConfig(**cfg, positional="learned", init="xavier"))
+    before = torch.load(Path(__file__).parent / "data" / "xavier_init_seed0.pt", weights_only=True)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
 
 
 @pytest.mark.parametrize(
@@ -292,6 +361,7 @@ def test_initialisation():
         ({"n_kv_heads": 3}, "n_heads=8 must be a multiple of n_kv_heads=3"),
         ({"dropout": 1.5}, "model.dropout=1.5"),
         ({"positional": "rotary"}, "model.positional='rotary'"),
+        ({"init": "kaiming"}, "model.init='kaiming' must be one of 't2t', 'fairseq', 'xavier'"),
     ],
 )
 def test_invalid_model_config_gives_clear_message(kwargs, message):

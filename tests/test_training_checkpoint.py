@@ -149,17 +149,26 @@ def test_a_checkpoint_without_resume_state_is_not_resumed_from(tmp_path, caplog)
     assert "checkpoint_2.pt" in caplog.text and "optimizer, rng" in caplog.text
 
 
-def test_a_checkpoint_naming_the_old_padding_setting_still_loads_and_averages(tmp_path):
-    """Checkpoints written while the model's settings held pad_id (always the tokenizer's 0) load as
-    today's, and average with them."""
-    old = make_checkpoint(1, seed=1)
+def test_a_checkpoint_of_older_settings_loads_as_written_and_averages(tmp_path):
+    """Checkpoints written while the model's settings held pad_id (always the tokenizer's 0) and before
+    they named the initialisation (always "xavier") load with the same weights, and average with
+    today's."""
+    old = make_checkpoint(1, seed=1, cfg=ModelConfig(**{**to_dict(CFG), "init": "xavier"}))
     old["model_config"]["pad_id"] = 0
+    del old["model_config"]["init"]
     old["config"] = {"model": {**old["model_config"]}}
     save_checkpoint(old, tmp_path, keep_last=5)
-    save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+    save_checkpoint(
+        make_checkpoint(2, seed=2, cfg=ModelConfig(**{**to_dict(CFG), "init": "xavier"})), tmp_path, 5
+    )
     loaded = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_1.pt")
     assert "pad_id" not in loaded["model_config"] and "pad_id" not in loaded["config"]["model"]
-    model_from_checkpoint(loaded)
+    assert loaded["model_config"]["init"] == loaded["config"]["model"]["init"] == "xavier"
+    model = model_from_checkpoint(loaded)
+    src, tgt = torch.tensor([[5, 6, 7, 3]]), torch.tensor([[2, 8, 9]])
+    torch.manual_seed(1)
+    written = Transformer(ModelConfig(**{**to_dict(CFG), "init": "xavier"})).eval()
+    torch.testing.assert_close(model(src, tgt), written(src, tgt), rtol=0, atol=0)
     average_checkpoints(list_checkpoints(tmp_path))  # one model configuration
 
 

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer.config import ConfigError, TrainConfig, from_dict
+from transformer.config import INIT_SCHEMES, ConfigError, ModelConfig, TrainConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
 from transformer.data.prepare import prepare
@@ -130,6 +130,20 @@ def test_resume_from_an_explicit_checkpoint_into_a_new_run_directory(corpus, uni
     assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt"))
 
 
+def test_a_run_resumes_whatever_its_model_init_and_keeps_recording_the_checkpoints(
+    corpus, uninterrupted, tmp_path
+):
+    start = uninterrupted / "checkpoints" / "checkpoint_7.pt"
+    other = next(init for init in INIT_SCHEMES if init != ModelConfig().init)
+    args = overrides(
+        corpus, tmp_path, "trainer.max_steps=12", f"trainer.resume={start}", f"model.init={other}"
+    )
+    train(compose_config(args))
+    final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_12.pt")
+    assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt"))
+    assert final["model_config"]["init"] == final["config"]["model"]["init"] == ModelConfig().init
+
+
 def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(
     corpus, uninterrupted, tmp_path, caplog
 ):
@@ -166,6 +180,14 @@ def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(
     [group] = final["optimizer"]["param_groups"]
     assert (group["betas"], group["weight_decay"]) == ((0.9, 0.9), 0.01)
     assert final["config"]["optim"]["lr_scale"] == 0.5
+
+
+def test_the_checkpoint_records_the_initialisation_scheme(corpus, uninterrupted, tmp_path):
+    default = load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_1.pt")
+    assert default["model_config"]["init"] == ModelConfig().init
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=1", "model.init=fairseq")))
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_1.pt")
+    assert ckpt["model_config"]["init"] == ckpt["config"]["model"]["init"] == "fairseq"
 
 
 def test_pairs_longer_than_the_positional_table_fail_before_the_first_step(corpus, tmp_path):

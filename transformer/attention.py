@@ -221,15 +221,17 @@ class MultiHeadAttention(nn.Module):
             self.w_qkv = Linear(d_model, sum(self.splits), bias=False)
         self.w_o = Linear(n_heads * d_v, d_model, bias=False)
 
-    def reset_parameters(self) -> None:
-        """Xavier-uniform for each of W^Q, W^K, W^V, W^O separately, even where they are fused."""
+    def reset_parameters(self, qkv_gain: float = 1.0) -> None:
+        """Xavier-uniform for each of W^Q, W^K, W^V (with gain `qkv_gain`) and W^O separately, even
+        where they are fused."""
         with torch.no_grad():
             if self.kind == "cross":
                 blocks = [self.w_q.weight, *self.w_kv.weight.split(self.splits[1:])]
             else:
                 blocks = list(self.w_qkv.weight.split(self.splits))
-            for block in [*blocks, self.w_o.weight]:
-                nn.init.xavier_uniform_(block)
+            for block in blocks:
+                nn.init.xavier_uniform_(block, gain=qkv_gain)
+            nn.init.xavier_uniform_(self.w_o.weight)
 
     def _heads(self, x: Tensor, n_heads: int) -> Tensor:
         b, t, _ = x.shape

@@ -23,6 +23,9 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+INIT_SCHEMES = ("t2t", "fairseq", "xavier")
+
+
 @dataclass
 class ModelConfig:
     """The Transformer's shape (§3, Table 3). Defaults are the paper's base model."""
@@ -41,6 +44,8 @@ class ModelConfig:
     positional: str = "sinusoidal"  # "learned" = Table 3, row E
     attention_dropout: float = 0.0  # dropout on attention weights; the paper has none
     max_positions: int = 1024  # longest sequence the positional table covers
+    # Initialisation (the paper states none): "t2t" | "fairseq" | "xavier" (`Transformer.reset_parameters`)
+    init: str = "xavier"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
@@ -70,6 +75,10 @@ class ModelConfig:
         _check(
             self.positional in ("sinusoidal", "learned"),
             f"model.positional={self.positional!r} must be 'sinusoidal' or 'learned'",
+        )
+        _check(
+            self.init in INIT_SCHEMES,
+            f"model.init={self.init!r} must be one of {', '.join(map(repr, INIT_SCHEMES))}",
         )
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from transformer.attention import KV, GrowingKV, MultiHeadAttention
 from transformer.config import ModelConfig
 from transformer.data.tokenizer import PAD_ID
-from transformer.layers import DecoderLayer, Embeddings, EncoderLayer
+from transformer.layers import DecoderLayer, Embeddings, EncoderLayer, FeedForward
 from transformer.linear import linear
 
 
@@ -62,22 +62,36 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform linear weights, zero biases; embeddings N(0, d_model^-0.5).
+        """Initialise as `cfg.init` says (the paper states none; docs/paper_map.md): embeddings
+        N(0, d_model^-0.5) in every scheme, and
 
-        The embedding scale keeps the tied output projection's logits O(1) while the
-        x sqrt(d_model) of §3.4 brings the input embeddings to unit scale.
+        - "t2t": tensor2tensor's transformer_base of 2017, the authors' code: Xavier-uniform (its
+          "uniform_unit_scaling", gain 1) on each weight matrix as that code lays it out, W^Q, W^K, W^V
+          of self-attention one (3 d_model, d_model) matrix, W^K, W^V of cross-attention one (as here);
+          zero biases;
+        - "fairseq": fairseq's: Xavier with gain 1/sqrt(2) on each of W^Q, W^K, W^V, Xavier on W^O,
+          PyTorch's default `nn.Linear` init (weights and biases) in the feed-forward network, a zero
+          padding row;
+        - "xavier": Xavier-uniform on each of W^Q, W^K, W^V, W^O and the feed-forward weights; zero biases.
         """
-        for module in self.modules():
+        init = self.cfg.init
+        for module in self.modules():  # every matrix whole, fused projections included: "t2t"
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-        for module in self.modules():  # after the loop above, which saw fused projections whole
-            if isinstance(module, MultiHeadAttention):
-                module.reset_parameters()  # Xavier per projection, even where fused
+        for module in self.modules():
+            if isinstance(module, MultiHeadAttention) and init != "t2t":
+                module.reset_parameters(qkv_gain=2**-0.5 if init == "fairseq" else 1.0)
+            if isinstance(module, FeedForward) and init == "fairseq":
+                module.w_1.reset_parameters()
+                module.w_2.reset_parameters()
         for embedding in (self.embed.tokens, self.embed.learned):
             if embedding is not None:
                 nn.init.normal_(embedding.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+        if init == "fairseq":
+            with torch.no_grad():
+                self.embed.tokens.weight[PAD_ID].zero_()
 
     def src_mask(self, src: Tensor) -> Tensor:
         """(B, S) bool, True = a real (non-pad) source token."""

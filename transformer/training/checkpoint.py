@@ -74,10 +74,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a readable checkpoint ({reason})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint written by this project")
-    # Older checkpoints name the padding id in the model's settings; it was always the tokenizer's 0.
+    # Older checkpoints name the padding id in the model's settings (it was always the tokenizer's 0),
+    # and do not name the initialisation (it was always "xavier").
     for model_config in (ckpt.get("model_config"), ckpt.get("config", {}).get("model")):
-        if isinstance(model_config, dict) and model_config.get("pad_id") == PAD_ID:
-            del model_config["pad_id"]
+        if isinstance(model_config, dict):
+            if model_config.get("pad_id") == PAD_ID:
+                del model_config["pad_id"]
+            model_config.setdefault("init", "xavier")
     return ckpt
 
 

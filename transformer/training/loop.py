@@ -244,7 +244,10 @@ class Run:
         log.info("step %d: saved %s", self.step, path)
 
     def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
-        mine = to_dict(self.cfg.model)
+        # the initialisation is the checkpoint's, whatever this run's model.init: its weights replace them
+        model = replace(self.cfg.model, init=ckpt["model_config"]["init"])
+        self.cfg = replace(self.cfg, model=model)
+        mine = to_dict(model)
         changed = sorted(k for k in mine if ckpt["model_config"].get(k) != mine[k])
         if changed:
             raise ConfigError(
