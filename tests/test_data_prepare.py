@@ -324,8 +324,18 @@ def test_real_multi30k_files(tmp_path):
             r"the 'valid' split is missing: expected .*dev\.en or .*dev\.en\.gz",
         ),
         (lambda c: write_side(c / "train.en", ["x"]), r"both .*train\.en and .*train\.en\.gz exist"),
+        (  # five whole lines, then a second gzip member cut off after its header
+            lambda c: (c / "train.en.gz").write_bytes(
+                gzip.compress(b"a\nb\nc\nd\ne\n") + gzip.compress(b"f\n")[:12]
+            ),
+            r"train\.en\.gz, line 6: truncated or not gzip",
+        ),
+        (
+            lambda c: (c / "train.en.gz").write_bytes(b"plain text\n"),
+            r"train\.en\.gz, line 1: truncated or not gzip",
+        ),
     ],
-    ids=["line-counts", "utf8", "empty-file", "missing-split", "ambiguous"],
+    ids=["line-counts", "utf8", "empty-file", "missing-split", "ambiguous", "truncated-gzip", "not-gzip"],
 )
 def test_bad_input_is_reported_before_any_work(tmp_path, damage, message):
     write_corpus(tmp_path / "corpus")
@@ -496,7 +506,20 @@ def test_script_writes_only_data_and_reports_errors_in_one_line(tmp_path):
     assert [p.name for p in run.iterdir()] == ["data"]  # no outputs/, .hydra/ or log file
     assert {p.name for p in (run / "data" / "multi30k").iterdir()} == expected_files()
 
-    for overrides in (["data.source=local", f"data.path={tmp_path / 'missing'}"], ["data.vocab_size=5"]):
+    (corpus / "val.de.gz").write_bytes(gzip.compress((corpus / "val.de").read_bytes())[:-20])
+    (corpus / "val.de").unlink()
+    truncated = ["data.source=local", f"data.path={corpus}", "data.dir=data/truncated"]
+    for overrides in (
+        ["data.source=local", f"data.path={tmp_path / 'missing'}"],
+        ["data.vocab_size=5"],
+        truncated,
+    ):
         failed = run_script(run, "data=multi30k", *overrides)
         assert failed.returncode == 2
-        assert failed.stderr.startswith("error: ") and failed.stderr.count("\n") == 1, failed.stderr
+        errors = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and failed.stderr.endswith(errors[0] + "\n"), (
+            failed.stderr
+        )  # reading bars before
+        assert "Traceback" not in failed.stderr
+    assert "val.de.gz, line 10: truncated or not gzip" in errors[0]
+    assert not (run / "data" / "truncated").exists()

@@ -9,6 +9,7 @@ sides of different lengths, invalid UTF-8, each reported with the file (and line
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,36 @@ def read_lines(path: Path) -> list[str]:
     """The stripped lines of a UTF-8 text file (`.gz` is decompressed); CRLF and a BOM are accepted."""
     opener: Any = gzip.open if path.suffix == ".gz" else open
     lines: list[str] = []
-    with opener(path, "rb") as file, tqdm(desc=f"reading {path.name}", unit=" lines", unit_scale=True) as bar:
-        while block := file.readlines(_READ_BLOCK_BYTES):
-            lines.extend(_decode_block(b"".join(block), path, first_line=len(lines) + 1))
-            bar.update(len(block))
+    bar = tqdm(desc=f"reading {path.name}", unit=" lines", unit_scale=True)
+    try:
+        with opener(path, "rb") as file, bar:
+            while block := file.readlines(_READ_BLOCK_BYTES):
+                lines.extend(_decode_block(b"".join(block), path, first_line=len(lines) + 1))
+                bar.update(len(block))
+    except _GZIP_ERRORS as error:  # cut short, or not gzip at all
+        reason = str(error).strip() or type(error).__name__
+        line = _whole_gzip_lines(path) + 1
+        raise DataError(f"{path}, line {line}: truncated or not gzip ({reason})") from None
     if not lines:
         raise DataError(f"{path} is empty")
     if lines[0].startswith("\ufeff"):  # a byte-order mark some editors write; not part of the text
         lines[0] = lines[0][1:].strip()
     return lines
+
+
+_GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
+
+
+def _whole_gzip_lines(path: Path) -> int:
+    """How many lines of a damaged gzip file decompress whole."""
+    count = 0
+    try:
+        with gzip.open(path, "rb") as file:
+            for _ in file:
+                count += 1
+    except _GZIP_ERRORS:
+        pass
+    return count
 
 
 def _decode_block(block: bytes, path: Path, first_line: int) -> list[str]:
