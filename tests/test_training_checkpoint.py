@@ -1,7 +1,10 @@
 """Checkpoint files: atomic writes, rotation, fallback past a corrupt file, RNG state, averaging."""
 
+import errno
 import logging
+import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,8 +61,68 @@ def test_save_rotates_keeps_a_last_copy_and_leaves_no_temp_files(tmp_path):
         "checkpoint_40.pt",
         "checkpoint_last.pt",
     ]
-    assert (directory / "checkpoint_last.pt").read_bytes() == (directory / "checkpoint_40.pt").read_bytes()
+    assert (directory / "checkpoint_last.pt").samefile(
+        directory / "checkpoint_40.pt"
+    )  # a hard link: no 2nd copy
     assert load_checkpoint(directory / "checkpoint_last.pt")["step"] == 40
+
+
+def test_without_hard_links_the_last_checkpoint_is_a_copy_and_a_failed_copy_leaves_no_older_one(
+    tmp_path, monkeypatch
+):
+    save_checkpoint(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
+
+    def no_links(*_args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+    directory = tmp_path / "checkpoints"
+    last = directory / "checkpoint_last.pt"
+    assert not last.samefile(directory / "checkpoint_2.pt")
+    assert last.read_bytes() == (directory / "checkpoint_2.pt").read_bytes()
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfileobj", full_disk)
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint_3\.pt was saved, but copying it to checkpoint_last\.pt failed"
+    ):
+        save_checkpoint(make_checkpoint(3, seed=3), tmp_path, keep_last=5)
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "checkpoint_1.pt",
+        "checkpoint_2.pt",
+        "checkpoint_3.pt",
+    ]
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing_and_one_that_fills_the_disk_says_so(
+    tmp_path, monkeypatch
+):
+    save_checkpoint(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
+    directory = tmp_path / "checkpoints"
+    size = (directory / "checkpoint_1.pt").stat().st_size
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=size // 2))
+    with pytest.raises(
+        CheckpointError, match=rf"not enough disk space in {directory} for checkpoint_2\.pt: it needs about"
+    ):
+        save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+    assert sorted(p.name for p in directory.iterdir()) == ["checkpoint_1.pt", "checkpoint_last.pt"]
+
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)
+    real_save = torch.save
+
+    def disk_fills_while_writing(obj, file):
+        real_save(obj, file)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_fills_while_writing)
+    with pytest.raises(CheckpointError, match=r"not enough disk space .* for checkpoint_2\.pt"):
+        save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+    assert sorted(p.name for p in directory.iterdir()) == ["checkpoint_1.pt", "checkpoint_last.pt"]  # no temp
+    assert (directory / "checkpoint_last.pt").samefile(directory / "checkpoint_1.pt")
 
 
 def test_steps_sort_numerically_not_by_name(tmp_path):
@@ -81,6 +144,52 @@ def test_corrupt_newest_is_reported_and_the_previous_one_used(tmp_path, caplog):
 
 def test_no_checkpoint_means_none(tmp_path):
     assert latest_checkpoint(tmp_path) is None
+
+
+def _damage_separately(path: Path) -> None:
+    """Truncate this file alone (a new inode: checkpoint_last.pt may be a hard link to it)."""
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def test_the_last_checkpoint_resumes_where_every_numbered_one_is_unreadable(tmp_path, caplog):
+    for step in (1, 2):
+        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+    for path in list_checkpoints(tmp_path):
+        _damage_separately(path)
+    with caplog.at_level(logging.WARNING):
+        path, ckpt = latest_checkpoint(tmp_path)
+    assert path.name == "checkpoint_last.pt" and ckpt["step"] == 2
+    assert "checkpoint_2.pt is truncated" in caplog.text
+
+
+def test_a_run_whose_checkpoints_are_all_unusable_is_not_restarted_from_scratch(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+    for path in [*list_checkpoints(tmp_path), tmp_path / "checkpoints" / "checkpoint_last.pt"]:
+        _damage_separately(path)
+    with pytest.raises(
+        CheckpointError, match=r"none of the 3 checkpoints in .* can resume training \(newest: "
+    ):
+        latest_checkpoint(tmp_path)
+
+
+def test_bytes_changed_after_writing_make_a_checkpoint_unreadable(tmp_path, caplog):
+    """torch.load does not check the CRC-32s of its zip archive; load_checkpoint does."""
+    for step in (1, 2):
+        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+    newest = tmp_path / "checkpoints" / "checkpoint_2.pt"
+    data = bytearray(newest.read_bytes())
+    middle = data.index(b"PK\x03\x04", len(data) // 2) - 64  # inside the bytes of an entry
+    data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
+    newest.write_bytes(bytes(data))  # checkpoint_last.pt, the same file, changes with it
+    torch.load(newest, weights_only=True)  # torch reads it without a word
+    with pytest.raises(CheckpointError, match=r"checkpoint_2\.pt is corrupt: .* does not match the checksum"):
+        load_checkpoint(newest)
+    with caplog.at_level(logging.WARNING):
+        path, ckpt = latest_checkpoint(tmp_path)
+    assert path.name == "checkpoint_1.pt" and ckpt["step"] == 1
 
 
 def test_rng_state_round_trip():

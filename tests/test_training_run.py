@@ -5,6 +5,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -299,6 +300,60 @@ def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(cor
     assert stopped.value.exit_status == 128 + signal.SIGTERM and stopped.value.step >= 2
     assert events[-2:] == [("saved", stopped.value.step), ("waited", None)]
     assert load_checkpoint(list_checkpoints(tmp_path)[-1])["step"] == stopped.value.step
+
+
+def test_a_full_disk_stops_the_run_with_one_message_and_leaves_the_last_checkpoint_current(
+    corpus, uninterrupted, tmp_path, monkeypatch
+):
+    args = overrides(corpus, tmp_path, "trainer.save_every_steps=2")
+    train(compose_config([*args, "trainer.max_steps=4"]))
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=100_000))
+    with pytest.raises(CheckpointError, match=r"not enough disk space in .*checkpoints for checkpoint_6\.pt"):
+        train(compose_config([*args, "trainer.max_steps=8"]))
+    directory = tmp_path / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "checkpoint_2.pt",
+        "checkpoint_4.pt",
+        "checkpoint_last.pt",
+    ]
+    assert (directory / "checkpoint_last.pt").samefile(directory / "checkpoint_4.pt")
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)  # space freed: the run goes on from step 4
+    train(compose_config([*args, "trainer.max_steps=8"]))
+    final = load_checkpoint(directory / "checkpoint_8.pt")
+    assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_8.pt"))
+
+
+def test_the_temp_file_of_a_killed_save_is_removed_on_the_next_start(corpus, tmp_path):
+    args = overrides(corpus, tmp_path, "trainer.max_steps=2")
+    train(compose_config(args))
+    directory = tmp_path / "checkpoints"
+    leftover = directory / ".checkpoint_last.pt.0123abcd.tmp"  # what kill -9 between write and rename leaves
+    leftover.write_bytes((directory / "checkpoint_2.pt").read_bytes())
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3")))
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == ["checkpoint_2.pt", "checkpoint_3.pt", "checkpoint_last.pt"]
+
+
+def test_a_run_resumes_from_its_last_checkpoint_when_the_numbered_ones_are_unreadable_and_never_restarts(
+    corpus, uninterrupted, tmp_path
+):
+    args = overrides(corpus, tmp_path, "trainer.save_every_steps=2")
+    train(compose_config([*args, "trainer.max_steps=4"]))
+    directory = tmp_path / "checkpoints"
+    for path in list_checkpoints(tmp_path):  # each damaged alone (checkpoint_last.pt is a hard link)
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data[:3000])
+    train(compose_config([*args, "trainer.max_steps=6"]))
+    final = load_checkpoint(directory / "checkpoint_6.pt")
+    assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_6.pt"))
+    for path in directory.iterdir():
+        path.unlink()
+        path.write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(CheckpointError, match=r"none of the \d checkpoints in .* can resume training"):
+        train(compose_config([*args, "trainer.max_steps=8"]))
+    assert all(p.read_bytes() == b"PK\x03\x04 cut short" for p in directory.iterdir())  # none overwritten
 
 
 def tensorboard_scalars(run_dir: Path, tag: str) -> list[float]:

@@ -5,9 +5,13 @@ Each subprocess costs seconds of imports, so each call checks several things at 
 
 from __future__ import annotations
 
+import io
 import os
+import re
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -77,9 +81,10 @@ def test_input_and_output_files_and_one_text(tiny_checkpoint, tmp_path):
     [
         (lambda tmp: tmp / "missing.pt", "checkpoint not found"),
         (lambda tmp: tmp, "is a directory"),
-        (lambda tmp: _write(tmp / "notes.pt", b"not a checkpoint at all"), "is not a readable checkpoint"),
+        (lambda tmp: _write(tmp / "notes.pt", b"not a checkpoint at all"), "is not a checkpoint (not a file"),
+        (lambda tmp: _write(tmp / "empty.pt", b""), "is empty (0 bytes): not a checkpoint"),
     ],
-    ids=["missing", "directory", "not-a-checkpoint"],
+    ids=["missing", "directory", "not-a-checkpoint", "empty"],
 )
 def test_a_bad_checkpoint_path_is_one_line_and_exit_code_2(tmp_path, make_path, message):
     done = translate(f"checkpoint={make_path(tmp_path)}", stdin=b"Hello.\n")
@@ -87,6 +92,52 @@ def test_a_bad_checkpoint_path_is_one_line_and_exit_code_2(tmp_path, make_path, 
     assert done.returncode == 2
     assert len(errors.splitlines()) == 1 and errors.startswith("error: ") and message in errors
     assert done.stdout == b""
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def _flip_four_bytes_of_the_largest_tensor(data: bytes) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        entry = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    name_length, extra_length = struct.unpack(
+        "<HH", data[entry.header_offset + 26 : entry.header_offset + 30]
+    )
+    start = entry.header_offset + 30 + name_length + extra_length + entry.file_size // 2  # inside its bytes
+    damaged = bytearray(data)
+    for i in range(start, start + 4):
+        damaged[i] ^= 0xFF
+    return bytes(damaged)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda data: data[: len(data) // 2], r"is truncated \([\d,]+ bytes; its end is missing\)"),
+        (_flip_four_bytes_of_the_largest_tensor, r"is corrupt: \S+/data/\d+ does not match the checksum"),
+        (
+            lambda data: _saved({"format": "transformer-checkpoint", "model": _RunsCode()}),
+            r"refers to (posix|nt)\.system, which no checkpoint holds; refused",
+        ),
+    ],
+    ids=["truncated", "flipped-bytes", "code"],
+)
+def test_a_damaged_or_dangerous_checkpoint_is_refused_with_what_is_wrong(
+    tiny_checkpoint, tmp_path, damage, message
+):
+    path = _write(tmp_path / "damaged.pt", damage(tiny_checkpoint.read_bytes()))
+    done = translate(f"checkpoint={path}", stdin=b"Hello.\n")
+    errors = done.stderr.decode().strip()
+    assert done.returncode == 2 and done.stdout == b"" and "pwned" not in done.stdout.decode()
+    assert len(errors.splitlines()) == 1 and re.search(message, errors), errors
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def test_missing_checkpoint_setting_and_unknown_key(tiny_checkpoint):

@@ -32,3 +32,9 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
 def write_atomic(path: str | Path, data: bytes) -> None:
     with atomic_write(path) as file:
         file.write(data)
+
+
+def remove_temp_files(directory: Path) -> None:
+    """Remove what an interrupted write left behind in `directory` (temp files never carry a final name)."""
+    for temp in directory.glob(f".*{TEMP_SUFFIX}"):
+        temp.unlink(missing_ok=True)

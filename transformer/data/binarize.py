@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from transformer.atomic import TEMP_SUFFIX, atomic_write, write_atomic
+from transformer.atomic import atomic_write, write_atomic
 from transformer.data.tokenizer import UNK_ID, Tokenizer
 
 CHUNK_PAIRS = 20_000  # pairs per task sent to a worker: large enough to amortise the transfer
@@ -64,12 +64,6 @@ def shard_dtype(vocab_size: int) -> np.dtype:
 def shard_files(role: str, lang: str) -> tuple[str, str]:
     """File names of the ids and the offsets of one side of one split."""
     return f"{role}.{lang}.bin", f"{role}.{lang}.idx"
-
-
-def remove_temp_files(directory: Path) -> None:
-    """Remove what an interrupted run left behind (temp files never carry a final name)."""
-    for temp in directory.glob(f".*{TEMP_SUFFIX}"):
-        temp.unlink()
 
 
 def sha256_file(path: Path) -> str:

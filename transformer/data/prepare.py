@@ -22,14 +22,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from transformer.atomic import write_atomic
+from transformer.atomic import remove_temp_files, write_atomic
 from transformer.config import ConfigError, DataConfig, to_dict
 from transformer.data import tokenizer as spm_tokenizer
 from transformer.data.binarize import (
     LengthFilter,
     SplitStats,
     encode_split,
-    remove_temp_files,
     sha256_file,
     shard_dtype,
     shard_files,

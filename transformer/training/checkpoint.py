@@ -16,16 +16,21 @@ and, for resuming training:
     rng           one entry per rank: {"python", "numpy", "torch", "cuda"} generator states
 An average of checkpoints (§6.1) has no resume state and lists its inputs under "averaged_from".
 
-A run keeps `<run_dir>/checkpoints/checkpoint_<step>.pt` (the newest `keep_last` of them) and a copy
-of the newest as `checkpoint_last.pt`, a plain file rather than a symlink so it survives copying.
+A run keeps `<run_dir>/checkpoints/checkpoint_<step>.pt` (the newest `keep_last` of them) and the newest
+also as `checkpoint_last.pt`: a hard link (a copy where the filesystem has none), never a symlink, so
+it survives copying.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import random
 import re
+import secrets
 import shutil
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transformer.atomic import atomic_write
+from transformer.atomic import TEMP_SUFFIX, atomic_write
 from transformer.config import ModelConfig, from_dict
 from transformer.data.tokenizer import PAD_ID
 from transformer.model import Transformer
@@ -51,14 +56,56 @@ class CheckpointError(Exception):
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
-    """torch.save, atomically (see `transformer.atomic`), creating the directory if needed."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(path) as f:
-        torch.save(obj, f)
+    """torch.save, atomically (see `transformer.atomic`), creating the directory if needed; a disk too
+    full for it is a CheckpointError, before writing where the free space shows it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    needed = _stored_bytes(obj)
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        raise CheckpointError(_no_space(path, needed, free))
+    try:
+        with atomic_write(path) as f:
+            torch.save(obj, f)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(_no_space(path, needed, shutil.disk_usage(path.parent).free)) from None
+        raise
+    except RuntimeError as error:  # torch's zip writer reports a failed write (a full disk) this way
+        free = shutil.disk_usage(path.parent).free / 2**20
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "RuntimeError"
+        raise CheckpointError(f"writing {path} failed ({first}); {free:,.0f} MiB free there") from None
+
+
+def _stored_bytes(obj: Any) -> int:
+    """About the bytes torch.save writes for obj: its tensors' storages, its byte strings, 1 MiB more."""
+    seen, total, todo = set(), 1 << 20, [obj]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif isinstance(item, bytes):
+            total += len(item)
+    return total
+
+
+def _no_space(path: Path, needed: int, free: int) -> str:
+    return (
+        f"not enough disk space in {path.parent} for {path.name}: it needs about {needed / 2**20:,.0f} MiB "
+        f"and {free / 2**20:,.0f} MiB are free; free some space (or lower trainer.keep_last) and resume"
+    )
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load and check a checkpoint on the CPU; any problem becomes one CheckpointError line."""
+    """Load and check a checkpoint on the CPU; any problem becomes one CheckpointError line. A file
+    whose bytes do not match the CRC-32s written with them (torch does not check) is refused."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -66,9 +113,16 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         inside = [p for p in (checkpoint_dir(path) / LAST, path / LAST) if p.is_file()]
         example = inside[0] if inside else checkpoint_dir(path) / LAST
         raise CheckpointError(f"{path} is a directory; pass a checkpoint file (e.g. {example})")
+    _check_archive(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt or not a torch file at all
+    except Exception as e:  # what torch cannot read, or what weights_only refuses (it could run code)
+        refused = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if refused:
+            raise CheckpointError(
+                f"{path} refers to {refused.group(1)}, which no checkpoint holds; refused (loading it could "
+                "run code)"
+            ) from None
         first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else ""
         reason = f"{type(e).__name__}: {first[:120]}"
         raise CheckpointError(f"{path} is not a readable checkpoint ({reason})") from None
@@ -82,6 +136,24 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                 del model_config["pad_id"]
             model_config.setdefault("init", "xavier")
     return ckpt
+
+
+def _check_archive(path: Path) -> None:
+    """torch.save writes a zip archive with a CRC-32 per entry: anything else, a file cut short, or
+    bytes changed since they were written raise CheckpointError."""
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): not a checkpoint")
+    with open(path, "rb") as file:
+        if file.read(4) != b"PK\x03\x04":
+            raise CheckpointError(f"{path} is not a checkpoint (not a file written by torch.save)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # reads every entry and compares its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError):
+        raise CheckpointError(f"{path} is truncated ({size:,} bytes; its end is missing)") from None
+    if damaged is not None:
+        raise CheckpointError(f"{path} is corrupt: {damaged} does not match the checksum written with it")
 
 
 def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cpu") -> Transformer:
@@ -114,38 +186,80 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def save_checkpoint(ckpt: dict[str, Any], run_dir: str | Path, keep_last: int) -> Path:
-    """Write checkpoint_<step>.pt and checkpoint_last.pt atomically, then keep only the newest `keep_last`."""
+    """Write checkpoint_<step>.pt atomically, make checkpoint_last.pt the same file, then keep only the
+    newest `keep_last` numbered ones."""
     directory = checkpoint_dir(run_dir)
     path = directory / f"checkpoint_{ckpt['step']}.pt"
     atomic_save(ckpt, path)
-    _atomic_copy(path, directory / LAST)
+    _link_last(path, directory / LAST)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
 
 
-def _atomic_copy(src: Path, dst: Path) -> None:
-    with atomic_write(dst) as f, open(src, "rb") as source:
-        shutil.copyfileobj(source, f, length=1 << 24)
+def _link_last(newest: Path, last: Path) -> None:
+    """checkpoint_last.pt as a hard link to the newest numbered file (no second copy on disk), replaced
+    atomically; a copy where the filesystem has no hard links. A copy that fails leaves no older file
+    under the name."""
+    temp = last.with_name(f".{last.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    try:
+        os.link(newest, temp)
+    except OSError:
+        try:
+            with atomic_write(last) as f, open(newest, "rb") as source:
+                shutil.copyfileobj(source, f, length=1 << 24)
+        except OSError as error:
+            last.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"{newest} was saved, but copying it to {last.name} failed: {error}"
+            ) from None
+        return
+    os.replace(temp, last)
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint of the run that loads and can resume training; None if there is none.
+    """The newest checkpoint of the run that loads and can resume training: the newest numbered one, or
+    checkpoint_last.pt where that one is unusable and it is newer; None if the run has none at all.
 
-    An unreadable newest file (truncated by a full disk, say) is reported by name and skipped.
+    Unusable files (truncated by a full disk, changed bytes) are reported by name and skipped; a run
+    whose checkpoints are all unusable raises CheckpointError rather than train again from step 0 over
+    them.
     """
-    for path in reversed(list_checkpoints(run_dir)):
-        try:
-            ckpt = load_checkpoint(path)
-        except CheckpointError as error:
-            log.warning("skipping an unusable checkpoint: %s", error)
-            continue
-        missing = [key for key in RESUME_KEYS if key not in ckpt]
-        if missing:
-            log.warning("skipping %s: it has no %s to resume from", path, ", ".join(missing))
-            continue
-        return path, ckpt
+    numbered = list_checkpoints(run_dir)
+    last = checkpoint_dir(run_dir) / LAST
+    found, problems = [], []
+    for path in reversed(numbered):
+        if (ckpt := _resumable(path, problems)) is not None:
+            found.append((path, ckpt))
+            break
+    if last.is_file() and not (found and found[0][0] == numbered[-1]):
+        if (ckpt := _resumable(last, problems)) is not None:
+            found.append((last, ckpt))
+    if found:
+        return max(found, key=lambda pair: pair[1]["step"])
+    if problems:
+        raise CheckpointError(
+            f"none of the {len(problems)} checkpoints in {checkpoint_dir(run_dir)} can resume training "
+            f"(newest: {problems[0]}); move them away to train again from step 0, or choose another "
+            "trainer.run_dir"
+        )
     return None
+
+
+def _resumable(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """The checkpoint at path if it loads and holds a resume state, else None with a warning."""
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as error:
+        problems.append(str(error))
+        log.warning("skipping an unusable checkpoint: %s", error)
+        return None
+    missing = [key for key in RESUME_KEYS if key not in ckpt]
+    if missing:
+        problems.append(f"{path} has no {', '.join(missing)}")
+        log.warning("skipping %s: it has no %s to resume from", path, ", ".join(missing))
+        return None
+    return ckpt
 
 
 # ----------------------------------------------------------------------------------------- RNG state

@@ -39,6 +39,7 @@ from torch.optim import Adam
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from transformer.atomic import remove_temp_files
 from transformer.config import ConfigError, OptimConfig, TrainConfig, TrainerConfig, to_dict
 from transformer.data.batching import Batch, TokenBudgetBatchSampler, padded_length
 from transformer.data.dataset import ShardDataset, load_meta
@@ -48,6 +49,7 @@ from transformer.training.checkpoint import (
     FORMAT,
     RESUME_KEYS,
     CheckpointError,
+    checkpoint_dir,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -93,6 +95,8 @@ def train(cfg: TrainConfig) -> Path:
     run_dir = Path(t.run_dir)
     _check_resume_setting(t, run_dir)
     runtime = init_runtime(t)
+    if runtime.is_main and checkpoint_dir(run_dir).is_dir():
+        remove_temp_files(checkpoint_dir(run_dir))  # of a save that a kill interrupted
     try:
         # a checkpoint that cannot resume this run is refused before the data is prepared
         found = _find_resume(t, run_dir) if t.resume != "never" else None
