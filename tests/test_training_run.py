@@ -302,6 +302,25 @@ def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(cor
     assert load_checkpoint(list_checkpoints(tmp_path)[-1])["step"] == stopped.value.step
 
 
+def test_a_signal_during_the_last_step_stops_after_its_checkpoint(corpus, tmp_path, monkeypatch):
+    """The stop is honoured (status 143 from train.py) and the finish stage is left to the next start,
+    which has nothing left to train."""
+    step = Monitor.step
+
+    def signalled_at_step_3(monitor, n, stats):
+        step(monitor, n, stats)
+        if n == 3:  # the last step's update is done; its checkpoint not yet written
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Monitor, "step", signalled_at_step_3)
+    args = overrides(corpus, tmp_path, "trainer.max_steps=3")
+    with pytest.raises(TrainingStopped, match=r"stopped at step 3 by SIGTERM"):
+        train(compose_config(args))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_3.pt"]
+    monkeypatch.setattr(Monitor, "step", step)
+    assert train(compose_config(args)) == tmp_path  # nothing left: on to the finish stage
+
+
 def test_a_full_disk_stops_the_run_with_one_message_and_leaves_the_last_checkpoint_current(
     corpus, uninterrupted, tmp_path, monkeypatch
 ):

@@ -205,6 +205,10 @@ def train(cfg: TrainConfig) -> Path:
                     wait_for_main(runtime)
                     log.warning("stopped at step %d by a signal; continue with trainer.resume=auto", run.step)
                     raise TrainingStopped(run.step, stop_signal.received)
+            # a signal during the last step, saved above: the finish stage waits for the next start
+            if all_reduce_sum([float(stop_signal.received is not None)], runtime)[0] > 0:
+                log.warning("stopped after the last step by a signal; the next start runs the finish stage")
+                raise TrainingStopped(run.step, stop_signal.received)
         return run_dir
     finally:
         shutdown(runtime)
