@@ -3,6 +3,10 @@
   python scripts/evaluate.py data=wmt14_en_de split=test \
       checkpoint=runs/paper_base/checkpoints/checkpoint_average_last5.pt
   python scripts/evaluate.py checkpoint=... data=multi30k data.source=local data.path=../shared/data/multi30k
+  python scripts/evaluate.py checkpoint=runs/demo/checkpoints/checkpoint_average_last5.pt
+
+Without `data=`, the corpus is the one the checkpoint was trained on (data.KEY=VALUE settings apply
+over it).
 
 Writes <checkpoint>.<data>.<split>.<search>.bleu.json and .hyp.<lang> beside the checkpoint (search:
 beam4.alpha0.6 by default, greedy for beam_size=1, then .len<a>x+<b> for other max_len_a/max_len_b), so
@@ -12,24 +16,43 @@ scores of other decoding settings sit side by side.
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
 
-from transformer.config import ConfigError, EvaluateConfig, from_dict  # noqa: E402
+from transformer.config import ConfigError, DataConfig, EvaluateConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
 from transformer.evaluation import evaluate_checkpoint  # noqa: E402
 from transformer.training.checkpoint import CheckpointError  # noqa: E402
-from transformer.translation import exit_with_error  # noqa: E402
+from transformer.translation import Translator, exit_with_error  # noqa: E402
+
+
+def corpus(cfg: DictConfig, recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """The `data=` group when one is given; else the corpus the checkpoint was trained on, with the
+    command line's data.KEY=VALUE settings over it."""
+    given = [o.lstrip("+~").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
+    if "data" in given or recorded is None:
+        return OmegaConf.to_container(cfg.data, resolve=True)
+    known = DataConfig.__dataclass_fields__
+    data = OmegaConf.create({key: value for key, value in recorded.items() if key in known})
+    for key in (k.removeprefix("data.") for k in given if k.startswith("data.")):
+        OmegaConf.update(data, key, OmegaConf.select(cfg.data, key), merge=False)
+    print(f"corpus: {data.name}, the checkpoint's (data=NAME chooses another)", file=sys.stderr)
+    return OmegaConf.to_container(data)
 
 
 @hydra.main(config_path="../configs", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
     try:
-        result = evaluate_checkpoint(from_dict(EvaluateConfig, OmegaConf.to_container(cfg, resolve=True)))
+        settings = OmegaConf.to_container(cfg, resolve=True)
+        translator = Translator.from_checkpoint(from_dict(EvaluateConfig, settings))
+        settings["data"] = corpus(cfg, (translator.info.get("config") or {}).get("data"))
+        result = evaluate_checkpoint(from_dict(EvaluateConfig, settings), translator)
         print(result["table"])
     except (ConfigError, CheckpointError, DataError, OSError) as error:
         exit_with_error(error)

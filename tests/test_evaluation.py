@@ -24,6 +24,7 @@ from transformer.evaluation import (
     split_compounds,
     tokenized_bleu,
 )
+from transformer.training.checkpoint import atomic_save, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 HYPOTHESES = ["Die Grenz-Kontrolle war streng.", "Es ist ein gutes Buch."]
@@ -144,3 +145,35 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     missing = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert missing.returncode == 2 and missing.stderr.strip().startswith("error: ")
     assert "nowhere" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_evaluate_without_data_scores_the_corpus_the_checkpoint_was_trained_on(tiny_checkpoint, tmp_path):
+    """Its data.KEY=VALUE settings apply over that corpus; data=NAME chooses another."""
+    src = ["The cat sees the house.", "A dog likes a red ball."]
+    corpus = write_corpus(tmp_path / "m30k", src, ["Die Katze sieht das Haus.", "Ein Hund mag den Ball."])
+    ckpt = load_checkpoint(tiny_checkpoint)
+    trained_on = {"name": "multi30k", "source": "local", "path": str(tmp_path / "moved"), "lowercase": True}
+    ckpt["config"] = {"data": {**trained_on, "local_splits": {"test": "test_2016_flickr", "train": "train"}}}
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    atomic_save(ckpt, checkpoint)
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "evaluate.py"),
+        f"checkpoint={checkpoint}",
+        "max_len_b=10",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    moved = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert moved.returncode == 2 and f"{tmp_path / 'moved'}" in moved.stderr  # the recorded path, not the hub
+    done = subprocess.run(
+        [*command, f"data.path={corpus}"], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "corpus: multi30k, the checkpoint's" in done.stderr
+    result = json.loads(
+        (tmp_path / "checkpoint_last.pt.multi30k.test.beam4.alpha0.6.len1x+10.bleu.json").read_text()
+    )
+    assert result["split_name"] == "test_2016_flickr" and result["sentences"] == 2
+    other = [*command, "data=wmt14_en_de", "data.source=local", f"data.path={corpus}"]
+    chosen = subprocess.run(other, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert chosen.returncode == 2 and "the 'test' split is missing: expected" in chosen.stderr
