@@ -76,6 +76,23 @@ def test_input_and_output_files_and_one_text(tiny_checkpoint, tmp_path):
     assert one.stdout.decode() == written[0] + "\n"  # the same sentence alone, the same translation
 
 
+def test_many_bad_lines_give_the_first_few_warnings_and_a_count(tiny_checkpoint):
+    lines = [b"bad \xff line"] * 30 + [" ".join(["the old tree"] * 100).encode()] * 7 + [b"A dog."]
+    done = translate(
+        f"checkpoint={tiny_checkpoint}", "beam_size=1", "max_len_a=0", "max_len_b=2", stdin=b"\n".join(lines)
+    )
+    assert done.returncode == 0 and len(done.stdout.decode().splitlines()) == 38
+    errors = done.stderr.decode().splitlines()
+    assert [line.split(":")[1] for line in errors if "invalid UTF-8" in line] == [
+        f" line {n}" for n in range(1, 6)
+    ]
+    assert "30 lines in all like these (lines 1, 2, 3, 4, 5, ...): undecodable bytes replaced" in errors[5]
+    too_long = [line for line in errors if "pieces exceed" in line]
+    assert len(too_long) == 5 and too_long[0].startswith("WARNING: line 31: ")
+    assert "7 lines in all like these (lines 31, 32, 33, 34, 35, ...): translating the first" in errors[-1]
+    assert len(errors) == 12
+
+
 @pytest.mark.parametrize(
     "make_path, message",
     [

@@ -85,19 +85,14 @@ class Translator:
 
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Source ids (pieces + [EOS]) per line; over-long lines are truncated with a warning."""
-        sources = []
+        sources, too_long, room = [], [], self.max_source_tokens - 1
         for number, line in enumerate(lines, start=1):
             ids = self.tokenizer.encode(line) if line.strip() else []
-            if len(ids) + 1 > self.max_source_tokens:
-                log.warning(
-                    "line %d: %d pieces exceed the %d this model can take; translating the first %d",
-                    number,
-                    len(ids),
-                    self.max_source_tokens - 1,
-                    self.max_source_tokens - 1,
-                )
-                ids = ids[: self.max_source_tokens - 1]
+            if len(ids) > room:
+                too_long.append((number, f"{len(ids)} pieces exceed the {room} this model can take"))
+                ids = ids[:room]
             sources.append(ids + [EOS_ID] if ids else [])
+        warn_lines(too_long, f"translating the first {room} pieces")
         return sources
 
     def search(self, src: torch.Tensor) -> SearchResult:
@@ -155,12 +150,22 @@ def split_input(data: bytes) -> list[str]:
     lines = data.split(b"\n")
     if lines[-1] == b"":  # the input ended with a newline (or was empty)
         lines.pop()
-    text = []
+    text, invalid = [], []
     for number, raw in enumerate(lines, start=1):
         raw = raw.removesuffix(b"\r")
         try:
             text.append(raw.decode("utf-8"))
         except UnicodeDecodeError as error:
-            log.warning("line %d: invalid UTF-8 (%s); undecodable bytes replaced", number, error.reason)
+            invalid.append((number, f"invalid UTF-8 ({error.reason})"))
             text.append(raw.decode("utf-8", errors="replace"))
+    warn_lines(invalid, "undecodable bytes replaced")
     return text
+
+
+def warn_lines(problems: list[tuple[int, str]], action: str, shown: int = 5) -> None:
+    """One warning per bad input line for the first `shown`, then one with the count of them all."""
+    for number, problem in problems[:shown]:
+        log.warning("line %d: %s; %s", number, problem, action)
+    if len(problems) > shown:
+        first = ", ".join(str(number) for number, _ in problems[:shown])
+        log.warning("%d lines in all like these (lines %s, ...): %s", len(problems), first, action)
