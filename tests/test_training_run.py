@@ -375,6 +375,26 @@ def test_a_run_resumes_from_its_last_checkpoint_when_the_numbered_ones_are_unrea
     assert all(p.read_bytes() == b"PK\x03\x04 cut short" for p in directory.iterdir())  # none overwritten
 
 
+def test_trainer_threads_sets_the_cpu_threads_of_the_run(corpus, tmp_path, monkeypatch):
+    seen, step = [], Monitor.step
+
+    def counting(monitor, n, stats):
+        seen.append(torch.get_num_threads())
+        step(monitor, n, stats)
+
+    monkeypatch.setattr(Monitor, "step", counting)
+    before = torch.get_num_threads()
+    try:
+        train(
+            compose_config(
+                overrides(corpus, tmp_path, "trainer.max_steps=2", f"trainer.threads={before + 1}")
+            )
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [before + 1] * 2
+
+
 def tensorboard_scalars(run_dir: Path, tag: str) -> list[float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -171,6 +171,17 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
+def test_threads_sets_the_cpu_threads_of_decoding(tiny_checkpoint):
+    before = torch.get_num_threads()
+    try:
+        Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), threads=before + 1))
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="threads=0 must be at least 1"):
+        TranslateConfig(checkpoint=str(tiny_checkpoint), threads=0)
+
+
 def test_sorted_batches_come_back_in_input_order(tiny_checkpoint):
     """Length-sorted, token-budget batches give each line the translation it gets alone."""
     translator = Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), max_tokens=20))

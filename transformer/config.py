@@ -199,6 +199,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
     seed: int = 1
     progress: bool = True
+    threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
     dist_timeout_minutes: float = 15.0  # a collective waiting longer (a peer died) fails instead of hanging
 
     def __post_init__(self) -> None:
@@ -215,6 +216,9 @@ class TrainerConfig:
         for name in ("save_every_steps", "save_every_minutes", "eval_every_steps"):
             _check(getattr(self, name) >= 0, f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
         _check(self.pad_to_multiple >= 1, "trainer.pad_to_multiple must be at least 1")
+        _check(
+            self.threads is None or self.threads >= 1, f"trainer.threads={self.threads} must be at least 1"
+        )
         _check(
             self.precision in ("auto", "fp32", "bf16"),
             f"trainer.precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
@@ -281,6 +285,7 @@ class DecodeConfig:
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     cuda_graphs: bool = False  # search in static shapes, each step one CUDA graph replay (static_search.py)
+    threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
 
     def __post_init__(self) -> None:
         _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
@@ -294,6 +299,7 @@ class DecodeConfig:
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_a must be >= 0 and max_len_b >= 1")
         _check(self.max_tokens > 0, f"max_tokens={self.max_tokens} must be positive")
         _check(self.max_sentences > 0, f"max_sentences={self.max_sentences} must be positive")
+        _check(self.threads is None or self.threads >= 1, f"threads={self.threads} must be at least 1")
         _check(
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",

@@ -40,7 +40,13 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     checkpoint = found[0]
     if f.average_last > 0:
         checkpoint = _average(run_dir, f.average_last)
-    decode = dict(checkpoint=str(checkpoint), beam_size=f.beam_size, alpha=f.alpha, device=cfg.trainer.device)
+    decode = dict(
+        checkpoint=str(checkpoint),
+        beam_size=f.beam_size,
+        alpha=f.alpha,
+        device=cfg.trainer.device,
+        threads=cfg.trainer.threads,
+    )
     written = [checkpoint]
     if f.evaluate_split is None and not f.examples and not f.attention_text:
         _next_steps(cfg, run_dir, checkpoint, written)

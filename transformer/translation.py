@@ -67,6 +67,8 @@ class Translator:
     def from_checkpoint(cls, cfg: DecodeConfig) -> Translator:
         """Everything comes from the checkpoint file; problems raise CheckpointError or ConfigError."""
         device = resolve_device(cfg.device)
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
         if cfg.cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=true needs a CUDA device; device={cfg.device} gives the CPU")
         ckpt = load_checkpoint(cfg.checkpoint)

@@ -52,11 +52,13 @@ class Runtime:
 
 
 def init_runtime(cfg: TrainerConfig) -> Runtime:
-    """Pick the device and precision, and join the process group when launched by torchrun."""
+    """Pick the device, precision and CPU threads, and join the process group when launched by torchrun."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(cfg.device, local_rank, world_size)
     dtype = _precision(cfg.precision, device)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast use TF32 tensor cores
