@@ -21,11 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also runs from a checkout not pip-installed
 
+from transformer.checkpoint import CheckpointError  # noqa: E402
 from transformer.config import ConfigError, TrainConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
 from transformer.finish import check_finish, finish  # noqa: E402
 from transformer.training import TrainingError, TrainingStopped, train  # noqa: E402
-from transformer.training.checkpoint import CheckpointError  # noqa: E402
 
 
 @hydra.main(config_path="configs", config_name="train", version_base=None)

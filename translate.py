@@ -15,8 +15,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from transformer.atomic import write_atomic
+from transformer.checkpoint import CheckpointError
 from transformer.config import ConfigError, TranslateConfig, from_dict
-from transformer.training.checkpoint import CheckpointError
 from transformer.translation import Translator, exit_with_error, split_input
 
 

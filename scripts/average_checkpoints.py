@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
 
-from transformer.training.checkpoint import (  # noqa: E402
+from transformer.checkpoint import (  # noqa: E402
     CheckpointError,
     atomic_save,
     average_checkpoints,

@@ -24,10 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
 
+from transformer.checkpoint import CheckpointError  # noqa: E402
 from transformer.config import ConfigError, DataConfig, EvaluateConfig, from_dict  # noqa: E402
 from transformer.data.sources import DataError  # noqa: E402
 from transformer.evaluation import evaluate_checkpoint  # noqa: E402
-from transformer.training.checkpoint import CheckpointError  # noqa: E402
 from transformer.translation import Translator, exit_with_error  # noqa: E402
 
 

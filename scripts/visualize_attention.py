@@ -13,8 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
 
+from transformer.checkpoint import CheckpointError  # noqa: E402
 from transformer.config import ConfigError, VisualizeConfig, from_dict  # noqa: E402
-from transformer.training.checkpoint import CheckpointError  # noqa: E402
 from transformer.translation import exit_with_error  # noqa: E402
 from transformer.visualize import visualize_checkpoint  # noqa: E402
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformer.checkpoint import FORMAT, atomic_save
 from transformer.config import ModelConfig, to_dict
 from transformer.data.tokenizer import EOS_ID, PAD_ID
 from transformer.data.tokenizer import train as train_tokenizer
 from transformer.model import Transformer
-from transformer.training.checkpoint import FORMAT, atomic_save
 
 # ------------------------------------------------------------------------------ a tiny checkpoint
 

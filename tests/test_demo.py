@@ -10,9 +10,9 @@ import pytest
 import sacrebleu
 import torch
 
+from transformer.checkpoint import load_checkpoint
 from transformer.config import ToyConfig
 from transformer.data import toy
-from transformer.training.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

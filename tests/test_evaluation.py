@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from sacrebleu.metrics import BLEU
 
+from transformer.checkpoint import atomic_save, load_checkpoint
 from transformer.config import ConfigError, DataConfig
 from transformer.evaluation import (
     moses_tokenize,
@@ -24,7 +25,6 @@ from transformer.evaluation import (
     split_compounds,
     tokenized_bleu,
 )
-from transformer.training.checkpoint import atomic_save, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 HYPOTHESES = ["Die Grenz-Kontrolle war streng.", "Es ist ein gutes Buch."]

@@ -9,11 +9,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from transformer.checkpoint import list_checkpoints, load_checkpoint
 from transformer.config import TrainConfig, from_dict
 from transformer.data.sources import split_names
 from transformer.model import Transformer
 from transformer.training import train
-from transformer.training.checkpoint import list_checkpoints, load_checkpoint
 from transformer.training.schedule import inverse_sqrt_lr
 
 ROOT = Path(__file__).resolve().parents[1]

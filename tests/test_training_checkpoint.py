@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from transformer.config import ModelConfig, to_dict
-from transformer.model import Transformer
-from transformer.training.checkpoint import (
+from transformer.checkpoint import (
     FORMAT,
     CheckpointError,
     average_checkpoints,
@@ -27,6 +25,8 @@ from transformer.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from transformer.config import ModelConfig, to_dict
+from transformer.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=20, d_model=16, n_heads=2, d_ff=32, n_layers=1, dropout=0.0)

@@ -18,18 +18,18 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer.config import INIT_SCHEMES, ConfigError, ModelConfig, TrainConfig, from_dict
-from transformer.data.batching import TokenBudgetBatchSampler
-from transformer.data.dataset import ShardDataset
-from transformer.data.prepare import prepare
-from transformer.training import TrainingStopped, loop, train
-from transformer.training.checkpoint import (
+from transformer.checkpoint import (
     CheckpointError,
     atomic_save,
     average_checkpoints,
     list_checkpoints,
     load_checkpoint,
 )
+from transformer.config import INIT_SCHEMES, ConfigError, ModelConfig, TrainConfig, from_dict
+from transformer.data.batching import TokenBudgetBatchSampler
+from transformer.data.dataset import ShardDataset
+from transformer.data.prepare import prepare
+from transformer.training import TrainingStopped, loop, train
 from transformer.training.loop import _grad_norm
 from transformer.training.loss import smoothed_cross_entropy
 from transformer.training.monitor import Monitor

@@ -12,9 +12,9 @@ from conftest import make_tiny_checkpoint
 from test_training_config import composed
 
 from transformer import visualize
+from transformer.checkpoint import RESUME_KEYS, atomic_save, load_checkpoint
 from transformer.config import ConfigError, VisualizeConfig
 from transformer.finish import finish
-from transformer.training.checkpoint import RESUME_KEYS, atomic_save, load_checkpoint
 from transformer.translation import Translator
 from transformer.visualize import attention_figures
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
-from transformer.data.sources import split_names
-from transformer.evaluation import evaluate_checkpoint
-from transformer.training.checkpoint import (
+from transformer.checkpoint import (
     atomic_save,
     average_checkpoints,
     averaged_path,
     latest_checkpoint,
     list_checkpoints,
 )
+from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
+from transformer.data.sources import split_names
+from transformer.evaluation import evaluate_checkpoint
 from transformer.translation import Translator
 from transformer.visualize import draw_attention
 

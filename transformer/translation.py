@@ -14,13 +14,13 @@ from typing import Any, NoReturn
 import torch
 from tqdm import tqdm
 
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import ConfigError, DecodeConfig
 from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from transformer.decoding import SearchResult, beam_search, greedy_search, search_weights
 from transformer.linear import prepacked
 from transformer.model import Transformer
 from transformer.static_search import static_beam_search
-from transformer.training.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 
 log = logging.getLogger(__name__)
 

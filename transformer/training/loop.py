@@ -40,12 +40,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.atomic import remove_temp_files
-from transformer.config import ConfigError, OptimConfig, TrainConfig, TrainerConfig, to_dict
-from transformer.data.batching import Batch, TokenBudgetBatchSampler, padded_length
-from transformer.data.dataset import ShardDataset, load_meta
-from transformer.data.prepare import SPM_FILE, prepare
-from transformer.model import Transformer
-from transformer.training.checkpoint import (
+from transformer.checkpoint import (
     FORMAT,
     RESUME_KEYS,
     CheckpointError,
@@ -57,6 +52,11 @@ from transformer.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from transformer.config import ConfigError, OptimConfig, TrainConfig, TrainerConfig, to_dict
+from transformer.data.batching import Batch, TokenBudgetBatchSampler, padded_length
+from transformer.data.dataset import ShardDataset, load_meta
+from transformer.data.prepare import SPM_FILE, prepare
+from transformer.model import Transformer
 from transformer.training.distributed import (
     Runtime,
     all_reduce_sum,
