@@ -25,7 +25,7 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
 decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output tokens (EOS suppressed
         until then): beam 4 over `--beam-sentences` and greedy over `--greedy-sentences` for ours
         (beam_search / greedy_search with min_len; on a CPU the weights packed for oneDNN once for all
-        runs, as translate.py packs them once for all batches; on CUDA also static_beam_search with
+        runs, as translate.py packs them once for all batches; on CUDA also beam_search in static shapes with
         each step a CUDA graph replay, as translate.py cuda_graphs=true), Hugging Face `generate` and
         CTranslate2 (the same Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output
         tokens/s, sentences/s. The goals compare the fastest of ours with each peer.
@@ -39,7 +39,7 @@ decoding runs the models in bf16 (as translate.py does) and CTranslate2 in `--ct
 are fp32 on `--threads` threads. A step here is what the model, loss and optimizer cost; the training
 loop adds a gradient norm and three scalar reads per step. The matmul peak is torch's own (on the CPU
 the better of its two fp32 GEMMs, MKL and oneDNN; the project's linear layers use oneDNN there, see
-transformer/linear.py), so MFU is relative to what torch reaches on this machine, not to the hardware.
+transformer/kernels/onednn.py), so MFU is relative to what torch reaches on this machine, not to the hardware.
 Peers that are not installed (`pip install -e ".[bench]"`) are skipped with a note. The sections run
 in the order given, each printed and written to `--json` as soon as it ends (a killed run keeps what
 it measured; train writes its eager figures before it compiles anything); a section that fails is

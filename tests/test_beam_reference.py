@@ -14,7 +14,7 @@ a full `decode` of the whole prefix (no cache), every candidate is a Python list
 - the search is done once the best finished score is >= max(live log P) / lp(L): log-probabilities
   only fall and lp only grows up to L, so no live hypothesis can do better than that.
 
-Both searches, `beam_search` and the static-shape `static_beam_search`, must return the reference's
+Both ways of running `beam_search`, dynamic and in static shapes (`static=True`), must return the reference's
 tokens and scores and run as many decoder steps as it does. Three cases pin rules that a search could
 break while still returning plausible outputs: an EOS outside the k best, the early-stop bound's lp(L),
 and stopping early at all; each first checks, on the reference's trace, that its outcome depends on
@@ -23,6 +23,7 @@ the rule.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,8 +34,8 @@ from conftest import sources, tiny_model
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.decoding import SearchResult, beam_search
 from transformer.model import Transformer
-from transformer.static_search import static_beam_search
 
+static_beam_search = functools.partial(beam_search, static=True)
 BEAM_SEARCHES = pytest.mark.parametrize(
     "beam_search_fn", [beam_search, static_beam_search], ids=["dynamic", "static"]
 )
@@ -113,7 +114,7 @@ def reference_beam_search(
 def decoder_steps(model: Transformer, search: Callable[[], SearchResult]) -> tuple[SearchResult, int]:
     """search()'s result and how many times it ran the decoder (one pass per step, in every search)."""
     calls = []
-    hook = model.decoder[0].register_forward_hook(lambda *_: calls.append(1))
+    hook = model.decoder[0].ffn.register_forward_hook(lambda *_: calls.append(1))
     try:
         return search(), len(calls)
     finally:

@@ -5,23 +5,25 @@ tests and is compared with the dynamic one."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 from conftest import sources, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer import decoding, static_search
 from transformer.config import ModelConfig
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.decoding import beam_search, greedy_search, length_penalty
+from transformer.decoding import beam_search, greedy_search, length_penalty, search_weights
+from transformer.decoding import search as searching
+from transformer.decoding.cache import DecoderCache, decode_step
+from transformer.kernels import apply_cpu_kernels, prepacked
 from transformer.model import Transformer
-from transformer.static_search import static_beam_search
 
-# the two implementations of the same beam search: dynamic shapes, and static shapes (CUDA graphs)
+static_beam_search = functools.partial(beam_search, static=True)
+# the two ways of running the same beam search: dynamic shapes, and static shapes (CUDA graphs)
 BEAM_SEARCHES = pytest.mark.parametrize(
     "beam_search_fn", [beam_search, static_beam_search], ids=["dynamic", "static"]
 )
@@ -29,47 +31,84 @@ BEAM_SEARCHES = pytest.mark.parametrize(
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@dataclass
 class PrefixCache:
-    """The no-cache reference's state: the decoder inputs so far and the encoder output, per row."""
+    """The no-cache reference's state, in place of `DecoderCache`: the decoder inputs so far and the
+    encoder output, per row."""
 
-    prefix: torch.Tensor  # (N, t)
-    memory: torch.Tensor  # (N, S, d_model)
+    def __init__(self, model, memory, src_mask, rows, limit, static):
+        self.memory, self.src_mask = memory, src_mask
+        self.prefix = torch.zeros(rows, 0, dtype=torch.long)
+        self.position = torch.zeros((), dtype=torch.long)
 
-    def select(self, index: torch.Tensor, cross_index: torch.Tensor | None) -> PrefixCache:
-        memory = self.memory if cross_index is None else self.memory[cross_index]
-        return PrefixCache(self.prefix[index], memory)
+    def reorder(self, rows, sentences=None):
+        self.prefix = self.prefix[rows]
+        if sentences is not None:
+            self.memory, self.src_mask = self.memory[sentences], self.src_mask[sentences]
 
 
-class NoCacheModel:
-    """The model's decoding interface, re-running the full `decode` over the whole prefix each step."""
+def recomputing_decode_step(model, tokens, cache):
+    """`decode_step` by re-running the full decoder over the whole prefix."""
+    cache.prefix = torch.cat([cache.prefix, tokens], dim=1)
+    beams = cache.prefix.size(0) // cache.memory.size(0)  # one memory row per sentence
+    memory, src_mask = cache.memory.repeat_interleave(beams, 0), cache.src_mask.repeat_interleave(beams, 0)
+    cache.position += tokens.size(1)
+    return model.decoder_states(cache.prefix, memory, src_mask)[:, -tokens.size(1) :]
 
-    def __init__(self, model: Transformer) -> None:
-        self.model, self.cfg = model, model.cfg
 
-    def src_mask(self, src):
-        return self.model.src_mask(src)
+def plain_model(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0, init="xavier")
+    return Transformer(ModelConfig(**{**cfg, **overrides})).double().eval()
 
-    def encode(self, src, src_mask):
-        return self.model.encode(src, src_mask)
 
-    def decode_step(self, tokens, memory, src_mask, cache=None, max_length=0):
-        cache = cache if cache is not None else PrefixCache(tokens[:, :0], memory)
-        prefix = torch.cat([cache.prefix, tokens], dim=1)
-        beams = prefix.size(0) // cache.memory.size(0)  # beam search keeps one memory row per sentence
-        memory, src_mask = cache.memory.repeat_interleave(beams, 0), src_mask.repeat_interleave(beams, 0)
-        return self.model.decoder_states(prefix, memory, src_mask)[:, -1:], PrefixCache(prefix, cache.memory)
+@pytest.mark.parametrize(
+    "overrides", [{}, {"n_kv_heads": 1}, {"norm_first": True}, {"positional": "learned"}]
+)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.inference_mode()
+def test_incremental_decoding_equals_the_full_decoder(overrides, static):
+    model = plain_model(**overrides)
+    src, tgt = (
+        sources([6, 3, 4], 40),
+        torch.randint(4, 40, (3, 6), generator=torch.Generator().manual_seed(1)),
+    )
+    mask = model.src_mask(src)
+    memory = model.encode(src, mask)
+    full = model.decoder_states(tgt, memory, mask)  # (3, 6, d_model)
+    cache = DecoderCache(model, memory, mask, rows=3, limit=6, static=static)
+    buffers = {cache.keys[0].data_ptr()}
+    for t in range(tgt.size(1)):
+        step = decode_step(model, tgt[:, t : t + 1], cache)
+        torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
+        buffers.add(cache.keys[0].data_ptr())
+    assert buffers == {cache.keys[0].data_ptr()}  # room for every position from the start: never moved
+    if not static:  # a prefix of several tokens at once, then the rest, also matches
+        cache = DecoderCache(model, memory, mask, rows=3, limit=6, static=False)
+        prefix = decode_step(model, tgt[:, :4], cache)
+        rest = decode_step(model, tgt[:, 4:], cache)
+        torch.testing.assert_close(torch.cat([prefix, rest], 1), full, rtol=1e-10, atol=1e-10)
 
-    def project(self, states, start=0, end=None):
-        return self.model.project(states, start, end)
 
-    @property
-    def embed(self):
-        return self.model.embed
-
-    @property
-    def decoder(self):
-        return self.model.decoder
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.inference_mode()
+def test_a_reorder_moves_every_layers_keys_and_values_with_their_rows(static):
+    model = plain_model()
+    src, tgt = (
+        sources([6, 3, 4], 40),
+        torch.randint(4, 40, (3, 4), generator=torch.Generator().manual_seed(2)),
+    )
+    mask = model.src_mask(src)
+    memory = model.encode(src, mask)
+    cache = DecoderCache(model, memory, mask, rows=3, limit=4, static=static)
+    decode_step(model, tgt[:, :1], cache)
+    decode_step(model, tgt[:, 1:2], cache)
+    index, again = torch.tensor([2, 0, 0]), torch.tensor([1, 2, 0])
+    cache.reorder(index, index)  # two in a row: the second picks from the first's rows
+    cache.reorder(again, again)
+    rows = index[again]
+    step = decode_step(model, tgt[rows, 2:3], cache)
+    expected = model.decoder_states(tgt[rows, :3], memory[rows], mask[rows])[:, 2]
+    torch.testing.assert_close(step[:, 0], expected, rtol=1e-10, atol=1e-10)
 
 
 @torch.no_grad()
@@ -104,26 +143,28 @@ def test_beam_of_one_without_length_penalty_is_greedy(beam_search_fn):
     assert any(len(t) > 0 for t in greedy.tokens)
 
 
+@BEAM_SEARCHES
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_cached_decoding_equals_recomputing_the_prefix(alpha):
+def test_cached_decoding_equals_recomputing_the_prefix(beam_search_fn, alpha, monkeypatch):
     model = tiny_model()
     src = sources([4, 8, 2, 6], 24)
-    reference = NoCacheModel(model)
-    for search in (
-        lambda m: beam_search(m, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5),
-        lambda m: greedy_search(m, src, max_len_a=1.0, max_len_b=5),
-    ):
-        cached, recomputed = search(model), search(reference)
+    searches = (
+        lambda: beam_search_fn(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5),
+        lambda: beam_search_fn(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=5),  # greedy
+    )
+    for run in searches:
+        cached = run()
+        with monkeypatch.context() as patch:
+            patch.setattr(searching, "DecoderCache", PrefixCache)
+            patch.setattr(searching, "decode_step", recomputing_decode_step)
+            recomputed = run()
         assert cached.tokens == recomputed.tokens
         torch.testing.assert_close(cached.scores, recomputed.scores, rtol=1e-10, atol=1e-10)
-    # and each score is that of its tokens (src lengths + EOS + 5 = the maximum output lengths)
-    for row, (tokens, limit) in enumerate(zip(cached.tokens, [10, 14, 8, 12])):
-        expected = teacher_forced_score(model, src[row], tokens, limit, 0.0)
-        assert float(cached.scores[row]) == pytest.approx(expected, abs=1e-5)
-    beams = beam_search(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5)
-    for row, (tokens, limit) in enumerate(zip(beams.tokens, [10, 14, 8, 12])):
-        expected = teacher_forced_score(model, src[row], tokens, limit, alpha)
-        assert float(beams.scores[row]) == pytest.approx(expected, abs=1e-5)
+        # and each score is that of its tokens (src lengths + EOS + 5 = the maximum output lengths)
+        penalty = alpha if run is searches[0] else 0.0
+        for row, (tokens, limit) in enumerate(zip(cached.tokens, [10, 14, 8, 12])):
+            expected = teacher_forced_score(model, src[row], tokens, limit, penalty)
+            assert float(cached.scores[row]) == pytest.approx(expected, abs=1e-5)
 
 
 @torch.no_grad()
@@ -213,8 +254,8 @@ def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
 def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, step, min_len, n):
     """The n best of a projection made chunk by chunk (each chunk's own log-softmax and log-sum-exp)
     are torch.topk of the log-softmax over the whole vocabulary, PAD, BOS (and EOS before min_len) out."""
-    monkeypatch.setattr(decoding, "VOCAB_CHUNK", chunk)
-    chunks = decoding._vocab_chunks(40)
+    monkeypatch.setattr(searching, "VOCAB_CHUNK", chunk)
+    chunks = searching.vocab_chunks(40, torch.device("cpu"))
     assert chunks[0][0] == 0 and chunks[-1][1] == 40 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     assert len(chunks) == math.ceil(40 / chunk) and len({end - start for start, end in chunks[:-1]}) <= 1
     model = tiny_model(vocab=40, seed=3)
@@ -222,19 +263,27 @@ def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, 
     expected = model.project(states).log_softmax(dim=-1)  # (5, 40)
     expected[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = float("-inf")
     values, index = expected.topk(n, dim=-1)
-    got_values, got_index = decoding._best_next(model, states, step, min_len, n)
+    got_values, got_index = searching._best_next(model, states, torch.tensor(step), min_len, n)
     assert torch.equal(got_index, index)
     torch.testing.assert_close(got_values, values.float(), rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(searching, "VOCAB_CHUNK", 8192)
+    src = sources([3, 7, 5], 40)
+    whole = beam_search(model, src, beam_size=3, max_len_b=6)
+    monkeypatch.setattr(searching, "VOCAB_CHUNK", chunk)
+    chunked = beam_search(model, src, beam_size=3, max_len_b=6)
+    assert chunked.tokens == whole.tokens
+    torch.testing.assert_close(chunked.scores, whole.scores, rtol=1e-6, atol=1e-6)
 
 
-def test_float32_search_on_packed_onednn_weights_equals_plain_f_linear():
-    """The float32 CPU path (weights packed for oneDNN, written-out attention) decodes exactly as
-    F.linear does with oneDNN switched off."""
+def test_float32_search_with_the_cpu_kernels_and_packed_weights_equals_the_plain_model():
+    """The float32 CPU path as translate.py runs it (the CPU kernels, the weights packed for oneDNN)
+    decodes exactly as the plain modules do."""
     model = tiny_model(seed=5, dtype=torch.float32)
     src = sources([9, 2, 5, 1], 24, seed=6)
-    fast = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
-    with torch.backends.mkldnn.flags(enabled=False):
-        plain = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
+    plain = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
+    apply_cpu_kernels(model)
+    with prepacked(search_weights(model)):
+        fast = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
     assert fast.tokens == plain.tokens and len({len(t) for t in fast.tokens}) > 1
     torch.testing.assert_close(fast.scores, plain.scores, rtol=1e-5, atol=1e-5)
 
@@ -343,37 +392,42 @@ class _NoHostValues(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@torch.inference_mode()  # as static_beam_search runs its steps
-def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory():
-    """What a CUDA graph replays must be the same kernels on the same memory: a step (checked op by op)
-    reads no device value, and it leaves every state tensor where it was, except the self-attention
-    cache, which swaps between two pairs of buffers (two graphs, replayed in turn)."""
+@torch.inference_mode()  # as beam_search runs its steps
+def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory(monkeypatch):
+    """What a CUDA graph replays must be the same kernels on the same memory: a static step (checked op
+    by op) reads no device value, and it leaves every state tensor where it was, except the
+    self-attention cache, which swaps between two pairs of buffers (two graphs, replayed in turn)."""
     model = tiny_model(seed=2)
-    state = static_search._start(model, sources([4, 7, 2], 24), 3, 0.6, 1.0, 5)
+    seen = []
 
     def layout(tensors: list[torch.Tensor]) -> list[tuple]:
         return [(t.data_ptr(), t.shape, t.stride()) for t in tensors]
 
-    def fixed() -> list[tuple]:
-        tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
-        return layout(tensors + [t for kv in state.cross_kv for t in (kv.k, kv.v)])
-
-    def cache() -> list[tuple]:
-        return layout([t for kv in state.self_kv for t in (kv.k, kv.v, *kv.spare)])
-
-    start, caches, scores = fixed(), [cache()], []
-    for _ in range(4):
+    def checked(model, cache, beams, *args, **kwargs):
+        state = [t for t in vars(beams).values() if isinstance(t, torch.Tensor)]
+        fixed = layout(state + [t for kv in cache.cross for t in kv] + [cache.position, cache.key_mask])
         with _NoHostValues():
-            static_search._step(model, state, 3, 0.6, 0)
-        assert fixed() == start
-        caches.append(cache())
-        scores.append(state.scores.clone())
-    assert caches[0] == caches[2] == caches[4] and caches[1] == caches[3]  # two layouts, in turn
+            step(model, cache, beams, *args, **kwargs)
+        assert (
+            layout(state + [t for kv in cache.cross for t in kv] + [cache.position, cache.key_mask]) == fixed
+        )
+        seen.append(
+            (
+                layout(cache.keys + cache.values + [t for pair in cache.spare for t in pair]),
+                int(cache.position),
+            )
+        )
+
+    step = searching._step
+    monkeypatch.setattr(searching, "_step", checked)
+    static_beam_search(model, sources([4, 7, 2], 24), beam_size=3, alpha=0.6, max_len_b=5, min_len=5)
+    caches = [layout for layout, _ in seen]
+    assert [position for _, position in seen] == list(range(1, len(seen) + 1)) and len(seen) >= 4
+    assert caches[0] == caches[2] == caches[4 % len(caches)] and caches[1] == caches[3]  # two layouts in turn
     assert caches[0] != caches[1] and sorted(caches[0]) == sorted(caches[1])  # the same buffers swapped
-    assert int(state.position) == 4 and not torch.equal(scores[0], scores[-1])  # it did advance
     # the mode does catch a host read
     with pytest.raises(AssertionError, match="_local_scalar_dense"), _NoHostValues():
-        bool(state.done.any())
+        bool(torch.ones(2).sum() > 0)
 
 
 @pytest.mark.gpu
@@ -383,8 +437,8 @@ def test_cuda_graph_replays_decode_like_the_eager_static_and_dynamic_searches():
     model = tiny_model(dtype=torch.float32).cuda()
     src = sources([3, 8, 5, 6, 1, 7], 24).cuda()
     kwargs = {"beam_size": 4, "alpha": 0.6, "max_len_b": 5}
-    graphed = static_beam_search(model, src, graph=True, **kwargs)
-    eager = static_beam_search(model, src, graph=False, **kwargs)
+    graphed = static_beam_search(model, src, graphs=True, **kwargs)
+    eager = static_beam_search(model, src, graphs=False, **kwargs)
     assert graphed.tokens == eager.tokens
     torch.testing.assert_close(graphed.scores, eager.scores)
     dynamic = beam_search(model, src, **kwargs)

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer import attention
-from transformer.attention import MultiHeadAttention, record_attention
+from transformer.attention import MultiHeadAttention
 from transformer.config import ConfigError, ModelConfig
-from transformer.layers import Dropout, EncoderLayer, sinusoidal_table
+from transformer.layers import EncoderLayer, sinusoidal_table
 from transformer.model import Transformer
+from transformer.visualize import record_attention
 
 PAD = 0
 
@@ -49,16 +49,29 @@ def explicit_attention(x_q, x_kv, w_q, w_k, w_v, w_o, n_heads, n_kv_heads, mask)
     return torch.cat(heads, dim=-1) @ w_o.T
 
 
-@pytest.mark.parametrize("kind", ["encoder_self", "decoder_self", "cross"])
-@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads, monkeypatch):
+def attention_module(kind: str, n_kv_heads: int) -> MultiHeadAttention:
     torch.manual_seed(0)
-    attn = MultiHeadAttention(32, 4, 8, 8, n_kv_heads, 0.0, kind).double().eval()
+    attn = MultiHeadAttention(
+        32, 4, 8, 8, n_kv_heads, 0.0, cross=kind == "cross", causal=kind == "decoder_self"
+    )
     attn.reset_parameters()
+    return attn.double().eval()
+
+
+def attention_inputs(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x (2, 5, 32), memory (2, 7, 32) and the key mask (the second row's last two keys padding)."""
     x = torch.randn(2, 5, 32, dtype=torch.float64)
     memory = torch.randn(2, 7, 32, dtype=torch.float64)
     key_mask = torch.ones(2, 7 if kind == "cross" else 5, dtype=torch.bool)
     key_mask[1, -2:] = False
+    return x, memory, None if kind == "decoder_self" else key_mask
+
+
+@pytest.mark.parametrize("kind", ["encoder_self", "decoder_self", "cross"])
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_fused_and_written_out_attention_match_explicit_math(kind, n_kv_heads):
+    attn = attention_module(kind, n_kv_heads)
+    x, memory, key_mask = attention_inputs(kind)
     if kind == "cross":
         w_q, (w_k, w_v) = attn.w_q.weight, attn.w_kv.weight.split(attn.splits[1:])
         kv_in, mask = memory, key_mask[:, None, :]
@@ -69,21 +82,14 @@ def test_sdpa_and_reference_paths_match_explicit_math(kind, n_kv_heads, monkeypa
             torch.ones(5, 5, dtype=torch.bool).tril()[None] if kind == "decoder_self" else key_mask[:, None]
         )
     expected = explicit_attention(x, kv_in, w_q, w_k, w_v, attn.w_o.weight, 4, n_kv_heads, mask)
-    key_arg = None if kind == "decoder_self" else key_mask
-    with record_attention() as records:
-        reference = attn(x, memory, key_mask=key_arg)[0]
-    assert len(records) == 1 and records[0].kind == kind
+    torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)  # fused
+    with record_attention(attn) as records:
+        reference = attn(x, memory, key_mask)
+    assert (
+        len(records) == 1 and records[0].kind == kind and records[0].weights.shape == (2, 4, 5, mask.size(-1))
+    )
     torch.testing.assert_close(reference, expected, rtol=1e-10, atol=1e-12)
-    # On a CPU: 5 or 7 keys are written out, unrecorded (also at inference: a few queries) ...
-    for grad in (True, False):
-        with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
-            torch.testing.assert_close(attn(x, memory, key_mask=key_arg)[0], expected, rtol=1e-10, atol=1e-12)
-        assert calls == []
-    # ... and longer attention takes the fused kernel
-    monkeypatch.setattr(attention, "SHORT_KEYS", 0)
-    with sdpa_calls(monkeypatch) as calls:
-        torch.testing.assert_close(attn(x, memory, key_mask=key_arg)[0], expected, rtol=1e-10, atol=1e-12)
-    assert len(calls) == 1
+    assert type(attn) is MultiHeadAttention  # the recording is undone
 
 
 @contextmanager
@@ -95,14 +101,13 @@ def sdpa_calls(monkeypatch):
         yield calls
 
 
-def test_whole_model_sdpa_equals_reference_path(monkeypatch):
+def test_whole_model_fused_equals_written_out_attention(monkeypatch):
     model = tiny(n_kv_heads=2)
     src, tgt = batch()
-    monkeypatch.setattr(attention, "SHORT_KEYS", 0)  # the fused kernel, even for these short sequences
     with sdpa_calls(monkeypatch) as calls:
         fast = model(src, tgt)
     assert len(calls) == 6  # 2 encoder and 2 x 2 decoder layers
-    with record_attention() as records:
+    with record_attention(model) as records:
         reference = model(src, tgt)
     kinds = sorted({(r.kind, r.layer) for r in records})
     assert kinds == sorted((k, i) for k in ("encoder_self", "decoder_self", "cross") for i in range(2))
@@ -125,7 +130,7 @@ def test_padding_gets_zero_weight_and_pad_contents_do_not_matter():
     model = tiny()
     src, tgt = batch()
     pad = src == PAD
-    with record_attention() as records:
+    with record_attention(model) as records:
         out = model(src, tgt)
     for r in records:
         if r.kind in ("encoder_self", "cross"):
@@ -137,48 +142,6 @@ def test_padding_gets_zero_weight_and_pad_contents_do_not_matter():
     memory_other = model.encode(other, mask)
     torch.testing.assert_close(memory_other[mask], memory[mask], rtol=0, atol=1e-12)
     torch.testing.assert_close(model.decode(tgt, memory_other, mask), out, rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize(
-    "overrides", [{}, {"n_kv_heads": 1}, {"norm_first": True}, {"positional": "learned"}]
-)
-def test_cached_incremental_decoding_equals_full_decoder(overrides):
-    model = tiny(**overrides)
-    src, tgt = batch()
-    mask = model.src_mask(src)
-    memory = model.encode(src, mask)
-    full = model.decode(tgt, memory, mask)
-    cache = None
-    for t in range(tgt.size(1)):
-        step, cache = model.decode_step(tgt[:, t : t + 1], memory, mask, cache)  # the cache grows: 1, 2, 4, 8
-        assert cache.length == t + 1
-        torch.testing.assert_close(model.project(step)[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
-    # A prefix of several tokens at once, then one more step, also matches.
-    prefix, cache = model.decode_step(tgt[:, :3], memory, mask)
-    rest, _ = model.decode_step(tgt[:, 3:], memory, mask, cache)
-    torch.testing.assert_close(model.project(torch.cat([prefix, rest], 1)), full, rtol=1e-10, atol=1e-10)
-    # Room reserved for every position at once: the same outputs, and the buffers never move.
-    cache, buffers = None, set()
-    for t in range(tgt.size(1)):
-        step, cache = model.decode_step(tgt[:, t : t + 1], memory, mask, cache, max_length=tgt.size(1))
-        torch.testing.assert_close(model.project(step)[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
-        buffers.add(cache.self_kv[0].k_buf.data_ptr())
-    assert len(buffers) == 1 and cache.self_kv[0].capacity == tgt.size(1)
-
-
-def test_cache_select_reorders_rows():
-    model = tiny()
-    src, tgt = batch()
-    mask = model.src_mask(src)
-    memory = model.encode(src, mask)
-    _, cache = model.decode_step(tgt[:, :2], memory, mask)
-    index, again = torch.tensor([2, 0, 0]), torch.tensor([1, 2, 0, 1])
-    # Two reorders in a row (the second picks from the first's rows), carried out by the next step.
-    cache = cache.select(index, index).select(again, again)
-    rows = index[again]
-    step, _ = model.decode_step(tgt[rows, 2:3], memory[rows], mask[rows], cache)
-    expected = model.decode(tgt[rows, :3], memory[rows], mask[rows])[:, 2]
-    torch.testing.assert_close(model.project(step)[:, 0], expected)
 
 
 @pytest.mark.parametrize(
@@ -225,39 +188,20 @@ def test_embedding_scale_and_dropout_free_sum():
     torch.testing.assert_close(model.embed(src), expected)
 
 
-def test_dropout_zeroes_each_unit_with_probability_p_and_scales_the_rest():
-    """§5.4 P_drop: in training a unit is zeroed with probability p, independently of the others, and
-    the rest are scaled by 1 / (1 - p) (forward and backward); in evaluation it is the identity."""
-    torch.manual_seed(0)
-    p, n = 0.3, 1_000_000
-    drop = Dropout(p)
-    x = (torch.rand(1000, 1000) + 0.5).requires_grad_()  # no zeros of its own
-    y = drop(x)
-    kept = y != 0
-    tolerance = 5 * math.sqrt(p * (1 - p) / (n / 2))  # five standard deviations of a binomial fraction
-    for half in (kept[:500], kept[500:], kept[:, ::2], kept[:, 1::2]):  # the same rate everywhere
-        assert abs((~half).float().mean().item() - p) < tolerance
-    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
-    y.backward(torch.ones_like(y))
-    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
-    assert (kept != (drop(x) != 0)).float().mean().item() > 0.3  # a new mask at every call
-    assert torch.equal(drop.eval()(x), x) and torch.equal(Dropout(0.0)(x), x)
-
-
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_residual_and_layer_norm_placement(norm_first):
     cfg = ModelConfig(
         vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=1, dropout=0.0, norm_first=norm_first
     )
     torch.manual_seed(0)
-    layer = EncoderLayer(cfg, 0).double().eval()
+    layer = EncoderLayer(cfg).double().eval()
     for p in layer.parameters():  # non-trivial norms so that a misplaced norm shows
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 5, 32, dtype=torch.float64)
     mask = torch.ones(2, 5, dtype=torch.bool)
 
     def attn(h):
-        return layer.self_attn(h, key_mask=mask)[0]
+        return layer.self_attn(h, key_mask=mask)
 
     def ffn(h):
         return layer.ffn.w_2(F.relu(layer.ffn.w_1(h)))

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from transformer.attention import record_attention
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.training import monitor
 from transformer.training.loss import Seq2SeqLoss
+from transformer.visualize import record_attention
 
 
 @pytest.mark.parametrize("shape", [{}, {"n_kv_heads": 2}, {"d_k": 16, "d_v": 8}])
@@ -20,9 +20,9 @@ def test_train_flops_match_the_counted_matmuls_of_forward_and_backward(shape):
     objective = Seq2SeqLoss(Transformer(cfg), 0.1)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
     # the reference attention path and F.linear are plain matmuls, which the counter sees (the fused
-    # CPU attention kernel and the oneDNN linear of transformer/linear.py it does not)
+    # CPU attention kernel and the oneDNN linear of transformer/kernels/onednn.py it does not)
     plain = torch.backends.mkldnn.flags(enabled=False)
-    with plain, record_attention(), FlopCounterMode(display=False) as counter:
+    with plain, record_attention(objective), FlopCounterMode(display=False) as counter:
         loss, _ = objective(src, tgt, tgt)
         loss.backward()
     assert monitor.train_flops(cfg, 3, 7, 5) == counter.get_total_flops()

@@ -284,7 +284,7 @@ class DecodeConfig:
     max_sentences: int = 256  # sentences per batch: bounds the decoder's cache on batches of short lines
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
-    cuda_graphs: bool = False  # search in static shapes, each step one CUDA graph replay (static_search.py)
+    cuda_graphs: bool = False  # search in static shapes, each step one CUDA graph replay (decoding/search.py)
     threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
 
     def __post_init__(self) -> None:

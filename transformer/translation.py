@@ -17,10 +17,9 @@ from tqdm import tqdm
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import ConfigError, DecodeConfig
 from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from transformer.decoding import SearchResult, beam_search, greedy_search, search_weights
-from transformer.linear import prepacked
+from transformer.decoding import SearchResult, beam_search, search_weights
+from transformer.kernels import apply_cpu_kernels, prepacked
 from transformer.model import Transformer
-from transformer.static_search import static_beam_search
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,9 @@ class Translator:
             raise CheckpointError(f"{cfg.checkpoint} cannot be loaded: {first}") from None
         model = model.to(device)  # out of the try: a device's error (out of memory) is not the file's
         if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
-            model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding.py)
+            model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding/search.py)
+        if device.type == "cpu":
+            apply_cpu_kernels(model)
         return cls(model, tokenizer, cfg, {k: ckpt.get(k) for k in ("step", "data_meta", "config")})
 
     def encode(self, lines: list[str]) -> list[list[int]]:
@@ -98,14 +99,12 @@ class Translator:
         return sources
 
     def search(self, src: torch.Tensor) -> SearchResult:
-        """Beam search as in §6.1 (beam_size=1: greedy) on a padded batch (B, S)."""
+        """Beam search as in §6.1 (beam_size=1: greedy, without length penalty) on a padded batch (B, S);
+        with cuda_graphs, in static shapes and CUDA graphs."""
         cfg = self.cfg
-        if cfg.cuda_graphs:  # a beam of 1 without length penalty is greedy search
-            beam, alpha = (cfg.beam_size, cfg.alpha) if cfg.beam_size > 1 else (1, 0.0)
-            return static_beam_search(self.model, src, beam, alpha, cfg.max_len_a, cfg.max_len_b)
-        if cfg.beam_size == 1:
-            return greedy_search(self.model, src, cfg.max_len_a, cfg.max_len_b)
-        return beam_search(self.model, src, cfg.beam_size, cfg.alpha, cfg.max_len_a, cfg.max_len_b)
+        alpha = cfg.alpha if cfg.beam_size > 1 else 0.0
+        limits = dict(max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
+        return beam_search(self.model, src, cfg.beam_size, alpha, **limits, static=cfg.cuda_graphs)
 
     def translate_ids(self, sources: list[list[int]], progress: bool = False) -> list[list[int]]:
         """Output piece ids per source; sources are batched by length and results put back in order."""

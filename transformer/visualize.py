@@ -10,13 +10,17 @@ from __future__ import annotations
 import io
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
+from torch import Tensor, nn
 
 from transformer.atomic import write_atomic
-from transformer.attention import AttentionRecord, record_attention
+from transformer.attention import MultiHeadAttention, reference_attention
 from transformer.config import ConfigError, VisualizeConfig
 from transformer.data.tokenizer import BOS_ID, Tokenizer
 from transformer.model import Transformer
@@ -35,13 +39,53 @@ KINDS = {  # kind -> (title, query side, key side)
 }
 
 
+@dataclass
+class AttentionRecord:
+    """The weights of one attention call, (B, H, T_q, T_k)."""
+
+    kind: str  # "encoder_self" | "decoder_self" | "cross"
+    layer: int
+    weights: Tensor
+
+
+class _Recording(MultiHeadAttention):
+    """`MultiHeadAttention` through `reference_attention`, keeping its weights."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        out, weights = reference_attention(q, k, v, mask, causal, self.dropout if self.training else 0.0)
+        self.records.append(AttentionRecord(self.kind, self.layer, weights.detach()))
+        return out
+
+
+@contextmanager
+def record_attention(model: nn.Module) -> Iterator[list[AttentionRecord]]:
+    """Within the block, every attention of `model` takes the written-out path and its weights are
+    collected in the list yielded."""
+    records: list[AttentionRecord] = []
+    swapped = []
+    for name, module in model.named_modules():
+        if isinstance(module, MultiHeadAttention):
+            swapped.append((module, type(module)))
+            module.__class__ = _Recording
+            module.kind = "cross" if module.cross else "decoder_self" if module.causal else "encoder_self"
+            parts = name.split(".")  # e.g. "decoder.3.cross_attn"
+            module.layer = int(parts[-2]) if len(parts) > 1 and parts[-2].isdigit() else 0
+            module.records = records
+    try:
+        yield records
+    finally:
+        for module, kind in swapped:
+            module.__class__ = kind
+            del module.kind, module.layer, module.records
+
+
 @torch.inference_mode()
 def record(model: Transformer, src_ids: list[int], tgt_in: list[int]) -> list[AttentionRecord]:
     """Every attention's weights for one teacher-forced pass of (source, decoder input)."""
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], device=device)  # (1, S)
     tgt = torch.tensor([tgt_in], device=device)  # (1, T)
-    with record_attention() as records:
+    with record_attention(model) as records:
         model(src, tgt)
     return list(records)
 

@@ -1,5 +1,6 @@
-"""The decode section: ours (beam_search / greedy_search; on CUDA also static_beam_search in CUDA
-graphs), Hugging Face generate and CTranslate2 on the same random sources, exactly --new-tokens outputs."""
+"""The decode section: ours (beam_search / greedy_search; on CUDA also beam_search in static shapes and
+CUDA graphs), Hugging Face generate and CTranslate2 on the same random sources, exactly --new-tokens
+outputs."""
 
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ModelConfig
 from transformer.data.tokenizer import EOS_ID
 from transformer.decoding import beam_search, greedy_search, search_weights
-from transformer.linear import prepacked
+from transformer.kernels import apply_cpu_kernels, prepacked
 from transformer.model import Transformer
-from transformer.static_search import static_beam_search
 
 
 def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
@@ -36,14 +36,14 @@ def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str
 
 def ours_decoder(model: Transformer, new_tokens: int, graphs: bool = False) -> Callable[[Tensor, int], int]:
     """beam_search / greedy_search with exactly new_tokens outputs: L = 0 x |X| + new_tokens, and EOS
-    suppressed through step new_tokens (min_len). With graphs, static_beam_search replaying each step as
-    a CUDA graph (greedy: a beam of 1 without length penalty), recorded anew for every call, as
-    translate.py does for every batch. Returns the output tokens."""
+    suppressed through step new_tokens (min_len). With graphs, beam_search in static shapes replaying
+    each step as a CUDA graph (greedy: a beam of 1 without length penalty), recorded anew for every
+    call, as translate.py does for every batch. Returns the output tokens."""
 
     def run(src: Tensor, beam: int) -> int:
         limits = {"max_len_a": 0.0, "max_len_b": new_tokens, "min_len": new_tokens}
         if graphs:
-            result = static_beam_search(model, src, beam_size=beam, alpha=0.6 if beam > 1 else 0.0, **limits)
+            result = beam_search(model, src, beam, 0.6 if beam > 1 else 0.0, **limits, static=True)
         elif beam > 1:
             result = beam_search(model, src, beam_size=beam, alpha=0.6, **limits)
         else:
@@ -170,6 +170,8 @@ def section_decode(
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32  # as translate.py
     ours = Transformer(cfg).eval().to(setup.device, dtype)
+    if setup.device.type == "cpu":
+        apply_cpu_kernels(ours)  # as translate.py applies them
     with tempfile.TemporaryDirectory() as workdir, ExitStack() as cleanup:
         decoders = build_decoders(ours, cfg, setup, peers, args, Path(workdir), notes, cleanup)
         # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on

@@ -20,7 +20,7 @@ import torch
 from torch.utils import flop_counter
 from tqdm import tqdm
 
-from transformer.linear import linear
+from transformer.kernels import linear
 
 FIRST_TOKEN = 4  # random ids start above the special ids (pad, unk, bos, eos)
 PAD_MULTIPLE = 8  # as trainer.pad_to_multiple
@@ -75,13 +75,13 @@ def interleave(
 
 def matmul_peak(device: torch.device) -> tuple[float, str]:
     """Measured matmul FLOP/s: the best of a few large square matmuls (bf16 on CUDA, fp32 on the CPU,
-    where torch's MKL matmul and the oneDNN linear of transformer/linear.py are both timed)."""
+    where torch's MKL matmul and the oneDNN linear of transformer/kernels/onednn.py are both timed)."""
     dtype, n, repeat = (torch.bfloat16, 8192, 20) if device.type == "cuda" else (torch.float32, 1536, 2)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     gemms = {"matmul": lambda: a @ b}
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        gemms["oneDNN linear"] = lambda: linear(a, b)  # what transformer/linear.py runs on the CPU
+        gemms["oneDNN linear"] = lambda: linear(a, b)  # what transformer/kernels/onednn.py runs on the CPU
     rates = {}
     for name, gemm in gemms.items():
         seconds = min(timed(lambda gemm=gemm: [gemm() for _ in range(repeat)], device)[0] for _ in range(6))
@@ -97,7 +97,7 @@ def _linear_flops(x_shape: Any, w_shape: Any, *args: Any, out_shape: Any = None,
 
 def register_cpu_flops() -> None:
     """torch's FLOP counter knows the CUDA attention kernels and the BLAS ops only; count the CPU flash
-    attention kernel and the oneDNN linear of transformer/linear.py alike."""
+    attention kernel and the oneDNN linear of transformer/kernels/onednn.py alike."""
     aten = torch.ops.aten
 
     def register(op: Any, formula: Callable[..., int], get_raw: bool) -> None:

@@ -30,6 +30,7 @@ from bench.measure import (
 from bench.peers import MarianPeer, OursObjective, TorchTransformerPeer
 from transformer.config import ModelConfig
 from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate
+from transformer.kernels import apply_cpu_kernels
 
 BIG = ModelConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3)  # Table 3: big
 PAPER_BUDGETS = {  # §5.2: steps x ~25k target tokens per step; time the paper took on 8 P100 GPUs
@@ -58,6 +59,8 @@ def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: in
     for name in families:
         torch.manual_seed(seed)
         module = builders[name](cfg, setup.label_smoothing).to(setup.device).train()
+        if name == "ours" and setup.device.type == "cpu":
+            apply_cpu_kernels(module)  # as training applies them (training.distributed.wrap)
         optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
         trainees.append(Trainee(name, "eager", module, module, optimizer))
         if compile:

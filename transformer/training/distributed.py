@@ -2,7 +2,7 @@
 
 `torchrun --nproc_per_node=N train.py ...` sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python train.py`
 is one process. NCCL is used on GPUs and gloo on CPUs. Wrapping order is fixed:
-build -> to(device) -> torch.compile -> DistributedDataParallel.
+build -> to(device) -> CPU kernels (`transformer.kernels`, on a CPU) -> torch.compile -> DDP.
 
 When one rank dies, the others exit with an error instead of hanging: gloo fails their next collective
 at once ("Connection closed by peer"); torchrun notices the failed worker, stops the others (SIGTERM)
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer.config import ConfigError, TrainerConfig
+from transformer.kernels import apply_cpu_kernels
 
 PREPARE_TIMEOUT = timedelta(hours=12)  # rank 0 may spend hours preparing WMT14 while the others wait
 
@@ -96,8 +97,11 @@ def _precision(name: str, device: torch.device) -> torch.dtype:
 
 
 def wrap(module: nn.Module, runtime: Runtime, compile: bool) -> nn.Module:
-    """to(device) -> torch.compile -> DDP, in that order; the caller keeps the unwrapped module."""
+    """to(device) -> the CPU kernels (on a CPU) -> torch.compile -> DDP, in that order; the caller keeps
+    the unwrapped module (its classes swapped on a CPU, its parameters the same)."""
     module = module.to(runtime.device)
+    if runtime.device.type == "cpu":
+        apply_cpu_kernels(module)
     if compile:
         # Dynamic shapes: one compilation serves every batch size and length. Static ones would
         # compile anew for each of the ~170 (B, S, T) shapes of a WMT epoch, tens of seconds each.

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from transformer.data.tokenizer import PAD_ID
-from transformer.linear import linear, weight_grad
+from transformer.kernels.onednn import linear, weight_grad
 from transformer.model import Transformer
 
 CHUNK_ROWS = 4096  # target tokens whose logits exist at once; bounds the loss's memory

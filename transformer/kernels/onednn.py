@@ -1,17 +1,11 @@
-"""The linear maps of the model, y = x W^T + b, with their float32 CPU matrix multiplies on oneDNN.
+"""The linear maps on oneDNN: y = x W^T + b for float32 on a CPU, forward and both backward products
+(docs/performance.md, "CPU kernels"). The results equal `F.linear` up to float32 rounding; anything
+else (CUDA, other dtypes, autocast, torch.compile, `torch.backends.mkldnn.enabled = False`) takes
+`F.linear` itself. `relu=True` applies max(0, .) inside the same call.
 
-PyTorch sends float32 CPU matrix multiplies to MKL, which on non-Intel CPUs (AMD EPYC, for one) runs
-a generic path at about half the speed of oneDNN's JIT kernels, also part of every PyTorch build
-(`scripts/benchmark.py` times both in its matmul peak). Forward and both backward products go
-through oneDNN there; the results equal `F.linear` up to float32 rounding. `relu=True` applies
-max(0, .) inside the same oneDNN call (a post-op: no separate pass over the output).
-
-oneDNN multiplies by a weight copied into its own blocked layout; it copies the weight at every
-call. Inside `prepacked(weights)`, each of those weights is copied once for the whole block: decoding
-multiplies the same weights by a few rows per step, step after step, and runs 5-45% faster GEMMs
-(more the fewer the rows).
-Everything else (CUDA, bf16, float64, CPU autocast, torch.compile,
-`torch.backends.mkldnn.enabled = False`) uses `F.linear` unchanged.
+Inside `prepacked(weights)`, each of those weights is copied into oneDNN's blocked layout once for
+the whole block instead of at every call (decoding multiplies the same weights step after step).
+`OneDNNLinear` and `OneDNNFeedForward` are the module swaps of `transformer.kernels.apply_cpu_kernels`.
 """
 
 from __future__ import annotations
@@ -22,6 +16,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from transformer.layers import FeedForward
 
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
@@ -120,8 +116,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = F
     return _onednn(x, weight, bias, relu)  # inference: no autograd node, no saved tensors
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, initialization and state_dict keys) computed by `linear`."""
+class OneDNNLinear(nn.Linear):
+    """`nn.Linear` (the same parameters) computed by `linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class OneDNNFeedForward(FeedForward):
+    """`FeedForward` with max(0, x W_1 + b_1) in one oneDNN call."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(linear(x, self.w_1.weight, self.w_1.bias, relu=True))

@@ -1,0 +1,181 @@
+"""The CPU kernels (transformer/kernels/): oneDNN linear maps, forward and backward, against the explicit
+float64 math; written-out short attention and noise dropout against their plain counterparts; and the
+module swaps of apply_cpu_kernels, which keep the model's parameters, keys and outputs."""
+
+import math
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import sources
+
+from transformer.attention import MultiHeadAttention
+from transformer.config import ModelConfig
+from transformer.kernels import apply_cpu_kernels, linear, prepacked
+from transformer.kernels import onednn as linear_module
+from transformer.kernels.cpu import SHORT_KEYS, NoiseDropout, ShortAttention
+from transformer.kernels.onednn import OneDNNLinear
+from transformer.model import Transformer
+
+onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+@onednn
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+# 80 rows (the last shape) are enough for weight_grad's other order of the product
+@pytest.mark.parametrize("shape", [(7, 24), (3, 5, 24), (2, 40, 24)])
+def test_forward_and_gradients_match_float64_math(shape, bias, relu):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(40, 24, generator=g, requires_grad=True)
+    b = torch.randn(40, generator=g, requires_grad=True) if bias else None
+    y = linear(x, w, b, relu=relu)
+    assert type(y.grad_fn).__name__ == "_OneDNNLinearBackward"  # the path under test was taken
+    grad_y = torch.randn(y.shape, generator=g)
+    y.backward(grad_y)
+
+    x64, w64, gy64 = x.detach().double(), w.detach().double(), grad_y.double()
+    expected = x64 @ w64.T + (b.detach().double() if bias else 0)
+    if relu:  # max(0, .), and no gradient flows where it clipped
+        assert (expected < 0).any() and (expected > 0).any()
+        gy64 = gy64 * (expected > 0)
+        expected = expected.clamp(min=0)
+    torch.testing.assert_close(y.detach().double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), gy64 @ w64, rtol=1e-5, atol=1e-5)  # dL/dx = dL/dy W
+    gy2, x2 = gy64.reshape(-1, 40), x64.reshape(-1, 24)
+    torch.testing.assert_close(w.grad.double(), gy2.T @ x2, rtol=1e-5, atol=1e-5)  # dL/dW = dL/dy^T x
+    assert w.grad.is_contiguous()
+    if bias:
+        torch.testing.assert_close(b.grad.double(), gy2.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@onednn
+def test_strided_input_weight_update_and_inference_path():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 9, generator=g).t()  # (9, 24), not contiguous
+    w = torch.randn(16, 24, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+        w.add_(1.0)  # an optimizer step changes the weight in place (outside prepacked: never cached)
+        torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x, w, relu=True), (x @ w.T).clamp(min=0), rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_and_the_global_switch_fall_back_to_f_linear():
+    x, w = torch.randn(4, 8, dtype=torch.float64, requires_grad=True), torch.randn(3, 8, dtype=torch.float64)
+    assert type(linear(x, w).grad_fn).__name__ != "_OneDNNLinearBackward"
+    torch.testing.assert_close(linear(x, w, relu=True), (x @ w.T).clamp(min=0))
+    with torch.backends.mkldnn.flags(enabled=False):
+        y = linear(x.detach().float().requires_grad_(), w.float())
+    assert type(y.grad_fn).__name__ != "_OneDNNLinearBackward"
+
+
+def test_module_keeps_nn_linear_parameters_and_keys():
+    layer = OneDNNLinear(8, 3)
+    assert isinstance(layer, torch.nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_a_bias_alone_that_needs_its_gradient_gets_it():
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    b = torch.zeros(3, requires_grad=True)
+    grad_y = torch.randn(5, 3)
+    linear(x, w, b).backward(grad_y)
+    torch.testing.assert_close(b.grad, grad_y.sum(0))
+
+
+@onednn
+def test_prepacked_weights_give_the_same_products_and_follow_in_place_changes():
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(6, 24, generator=g), torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    chunk = w[8:24]  # a view (a vocabulary chunk) is packed on its own
+    with torch.no_grad():
+        plain, plain_chunk = linear(x, w, b, relu=True), linear(x, chunk)
+        with prepacked([w, chunk, torch.randn(3, 4, dtype=torch.float64)]):
+            assert len(linear_module._packed) == 2  # float32 CPU weights only
+            packed = linear_module._packed[linear_module._key(w)][2]
+            assert packed.layout == torch._mkldnn  # oneDNN's own blocked copy
+            torch.testing.assert_close(linear(x, w, b, relu=True), plain, rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(linear(x, chunk), plain_chunk, rtol=1e-6, atol=1e-5)
+            with prepacked([w]):  # nested: the copy already made is reused
+                assert linear_module._packed[linear_module._key(w)][2] is packed
+            w.mul_(2.0)  # changed in place: the stale copy must not be used
+            torch.testing.assert_close(linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)
+        assert linear_module._packed == {}
+
+
+@contextmanager
+def sdpa_calls(monkeypatch):
+    """The calls of the fused kernel within the block."""
+    calls, fused = [], F.scaled_dot_product_attention
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+        yield calls
+
+
+@pytest.mark.parametrize("kind", ["encoder_self", "decoder_self", "cross"])
+def test_short_attention_is_written_out_and_longer_attention_fused(kind, monkeypatch):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 8, 8, 2, 0.0, cross=kind == "cross", causal=kind == "decoder_self")
+    attn = attn.double().eval()
+    x, memory = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64)
+    key_mask = (
+        None if kind == "decoder_self" else torch.ones(2, 7 if kind == "cross" else 5, dtype=torch.bool)
+    )
+    if key_mask is not None:
+        key_mask[1, -2:] = False
+    expected = attn(x, memory, key_mask)  # the plain module: the fused kernel
+    apply_cpu_kernels(attn)
+    assert type(attn) is ShortAttention
+    for grad in (True, False):  # 5 or 7 keys: written out (at inference also a few queries)
+        with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
+            torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
+        assert calls == []
+    monkeypatch.setattr("transformer.kernels.cpu.SHORT_KEYS", 0)  # longer attention takes the fused kernel
+    with sdpa_calls(monkeypatch) as calls:
+        torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
+    assert len(calls) == 1 and SHORT_KEYS == 64
+
+
+@pytest.mark.parametrize("dropout", [torch.nn.Dropout, NoiseDropout])
+def test_dropout_zeroes_each_unit_with_probability_p_and_scales_the_rest(dropout):
+    """§5.4 P_drop, torch's and the noise-drawn one alike: in training a unit is zeroed with probability
+    p, independently of the others, and the rest are scaled by 1 / (1 - p) (forward and backward); in
+    evaluation it is the identity."""
+    torch.manual_seed(0)
+    p, n = 0.3, 1_000_000
+    drop = dropout(p)
+    x = (torch.rand(1000, 1000) + 0.5).requires_grad_()  # no zeros of its own
+    y = drop(x)
+    kept = y != 0
+    tolerance = 5 * math.sqrt(p * (1 - p) / (n / 2))  # five standard deviations of a binomial fraction
+    for half in (kept[:500], kept[500:], kept[:, ::2], kept[:, 1::2]):  # the same rate everywhere
+        assert abs((~half).float().mean().item() - p) < tolerance
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    assert (kept != (drop(x) != 0)).float().mean().item() > 0.3  # a new mask at every call
+    assert torch.equal(drop.eval()(x), x) and torch.equal(dropout(0.0)(x), x)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"norm_first": True, "n_kv_heads": 2}])
+def test_the_cpu_kernels_keep_the_parameters_keys_outputs_and_gradients(overrides):
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.1, **overrides)
+    torch.manual_seed(0)
+    plain, fast = Transformer(cfg), Transformer(cfg)
+    fast.load_state_dict(plain.state_dict())
+    before = list(fast.parameters())
+    apply_cpu_kernels(fast)
+    assert {type(m).__name__ for m in fast.modules()} >= {"OneDNNLinear", "NoiseDropout", "ShortAttention"}
+    assert fast.state_dict().keys() == plain.state_dict().keys()
+    assert all(a is b for a, b in zip(before, fast.parameters(), strict=True))  # the same tensors
+    src, tgt = sources([5, 3, 7], 40), sources([4, 6, 2], 40)
+    for model in (plain, fast):
+        model.eval()  # dropout off: the two draw their masks differently
+        model(src, tgt).logsumexp(-1).sum().backward()
+    torch.testing.assert_close(fast(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(plain.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
