@@ -21,12 +21,11 @@ from transformer.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     model_from_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 from transformer.config import ModelConfig, to_dict
 from transformer.model import Transformer
+from transformer.training.state import rng_state, set_rng_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=20, d_model=16, n_heads=2, d_ff=32, n_layers=1, dropout=0.0)

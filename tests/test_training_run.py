@@ -29,11 +29,12 @@ from transformer.config import INIT_SCHEMES, ConfigError, ModelConfig, TrainConf
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
 from transformer.data.prepare import prepare
-from transformer.training import TrainingStopped, loop, train
-from transformer.training.loop import _grad_norm
+from transformer.training import TrainingStopped, loop, policy, state, train
+from transformer.training import step as training_step
 from transformer.training.loss import smoothed_cross_entropy
 from transformer.training.monitor import Monitor
 from transformer.training.schedule import inverse_sqrt_lr
+from transformer.training.step import grad_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -97,8 +98,8 @@ def compose_config(args: list[str]) -> TrainConfig:
 def assert_same_state(a: dict, b: dict) -> None:
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
-    for index, state in a["optimizer"]["state"].items():
-        for key, value in state.items():
+    for index, moments in a["optimizer"]["state"].items():
+        for key, value in moments.items():
             assert torch.equal(value, b["optimizer"]["state"][index][key]), (index, key)
     assert a["data_state"] == b["data_state"] and a["step"] == b["step"]
 
@@ -232,9 +233,9 @@ def test_gradient_clipping_scales_the_gradients_to_the_limit_and_reports_the_nor
     grads = [p.grad.clone() for p in model.parameters()]
     norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))  # the global L2 norm, written out
     assert norm > 0.5
-    assert float(_grad_norm(model, 0.0)) == pytest.approx(norm)  # 0 = no clipping (the paper)
+    assert float(grad_norm(model, 0.0)) == pytest.approx(norm)  # 0 = no clipping (the paper)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
-    assert float(_grad_norm(model, 0.5)) == pytest.approx(norm)
+    assert float(grad_norm(model, 0.5)) == pytest.approx(norm)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g * 0.5 / norm, rtol=1e-4, atol=1e-7)
 
@@ -277,20 +278,20 @@ def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(cor
     """train() raises TrainingStopped after the checkpoint; a rank that exited while rank 0 still wrote
     would make torchrun stop (and kill) rank 0, so every rank first waits for it."""
     events = []
-    save, step = loop.Run.save, Monitor.step
+    save, monitor_step = state.Run.save, Monitor.step
 
     def saving(run, data_state):
         save(run, data_state)
         events.append(("saved", run.step))
 
     def signalled_at_step_2(monitor, n, stats):
-        step(monitor, n, stats)
+        monitor_step(monitor, n, stats)
         if n == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(loop.Run, "save", saving)
+    monkeypatch.setattr(state.Run, "save", saving)
     monkeypatch.setattr(Monitor, "step", signalled_at_step_2)
-    monkeypatch.setattr(loop, "wait_for_main", lambda runtime: events.append(("waited", None)))
+    monkeypatch.setattr(policy, "wait_for_main", lambda runtime: events.append(("waited", None)))
     with pytest.raises(TrainingStopped, match=r"stopped at step \d+ by SIGTERM") as stopped:
         train(
             compose_config(
@@ -480,8 +481,8 @@ def nan_on_calls(bad):
 def test_nonfinite_loss_skips_the_update_and_stops_the_run_when_it_persists(
     corpus, tmp_path, monkeypatch, caplog
 ):
+    from transformer.training import TrainingError
     from transformer.training import loss as loss_module
-    from transformer.training.loop import TrainingError
 
     args = overrides(corpus, tmp_path / "once", "trainer.max_steps=3", "trainer.eval_every_steps=0")
     monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls({3}))  # step 2, first batch
@@ -511,10 +512,9 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
     """Forward, backward, gradient norm and update are queued with no host read (the one read, after
     the next batches are prepared, is `_finish_step`'s); a non-finite step leaves the weights and
     Adam's state bitwise as they were, and the schedule where it was."""
-    from transformer.training import loop
     from transformer.training import loss as loss_module
 
-    real_queue, real_finish, before, skipped = loop._queue_step, loop._finish_step, {}, []
+    real_queue, real_finish, before, skipped = loop.queue_step, loop.finish_step, {}, []
 
     def queue(run, *args):
         before["model"] = {k: v.clone() for k, v in run.model.state_dict().items()}
@@ -541,8 +541,8 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
         return stats
 
     monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls({3}))
-    monkeypatch.setattr(loop, "_queue_step", queue)
-    monkeypatch.setattr(loop, "_finish_step", finish)
+    monkeypatch.setattr(loop, "queue_step", queue)
+    monkeypatch.setattr(loop, "finish_step", finish)
     train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3", "trainer.eval_every_steps=0")))
     assert skipped == [1]  # the second step (first batch of two) was skipped, after one finite step
 
@@ -551,11 +551,10 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
 def test_on_a_gpu_a_step_is_queued_without_waiting_for_the_device(corpus, tmp_path, monkeypatch):
     """CUDA's own check around every `_queue_step` (bf16 autocast, as a GPU run trains): no call in it
     waits for the device, so the host reads the next batches while the step runs."""
-    from transformer.training import loop
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    real, queued = loop._queue_step, []
+    real, queued = loop.queue_step, []
 
     def strict(*args):
         torch.cuda.set_sync_debug_mode("error")
@@ -565,15 +564,15 @@ def test_on_a_gpu_a_step_is_queued_without_waiting_for_the_device(corpus, tmp_pa
             torch.cuda.set_sync_debug_mode("default")
             queued.append(True)
 
-    monkeypatch.setattr(loop, "_queue_step", strict)
+    monkeypatch.setattr(loop, "queue_step", strict)
     args = ["trainer.max_steps=3", "trainer.eval_every_steps=0", "trainer.device=cuda"]
     train(compose_config(overrides(corpus, tmp_path, *args, "trainer.precision=bf16")))
     assert len(queued) == 3
 
 
 def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path, monkeypatch):
+    from transformer.training import TrainingError
     from transformer.training import loss as loss_module
-    from transformer.training.loop import TrainingError
 
     def out_of_memory(*_args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -592,16 +591,14 @@ def test_compiled_training_compiles_once_for_all_batch_shapes_and_matches_eager(
     and one for validation, and the run ends where the eager run does (dropout off: the same math)."""
     from torch._dynamo.utils import counters
 
-    from transformer.training import loop
-
     shapes = set()
-    real = loop._forward_backward
+    real = training_step.forward_backward
 
     def recording(objective, batch, *args):
         shapes.add((tuple(batch.src.shape), tuple(batch.tgt_in.shape)))
         return real(objective, batch, *args)
 
-    monkeypatch.setattr(loop, "_forward_backward", recording)
+    monkeypatch.setattr(training_step, "forward_backward", recording)
     args = ["trainer.max_steps=4", "trainer.eval_every_steps=4", "model.dropout=0"]
     valid, weights = {}, {}
     for compiled in (False, True):

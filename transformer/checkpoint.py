@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import random
 import re
 import secrets
 import shutil
@@ -35,7 +34,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from transformer.atomic import TEMP_SUFFIX, atomic_write
@@ -260,30 +258,6 @@ def _resumable(path: Path, problems: list[str]) -> dict[str, Any] | None:
         log.warning("skipping %s: it has no %s to resume from", path, ", ".join(missing))
         return None
     return ckpt
-
-
-# ----------------------------------------------------------------------------------------- RNG state
-
-
-def rng_state() -> dict[str, Any]:
-    """Every random generator training touches: Python, NumPy, torch CPU and CUDA."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """The inverse of `rng_state`."""
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ----------------------------------------------------------------------------------------- averaging

@@ -1,0 +1,92 @@
+"""The corpus as training reads it (§5.1): rank 0 prepares it while the other ranks wait; the training
+pairs come in token-budget batches, epoch after epoch; the valid split is batched once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer.config import ConfigError, TrainConfig, TrainerConfig
+from transformer.data.batching import Batch, TokenBudgetBatchSampler, padded_length
+from transformer.data.dataset import ShardDataset, load_meta
+from transformer.data.prepare import SPM_FILE, prepare
+from transformer.training.distributed import Runtime, wait_for_main
+
+
+@dataclass
+class Corpus:
+    meta: dict[str, Any]  # the prepared corpus' meta.json
+    spm_model: bytes  # its tokenizer, which every checkpoint carries
+    train: ShardDataset
+    sampler: TokenBudgetBatchSampler  # this rank's share of each step's batches
+    valid: list[Batch] | None  # this rank's share of the valid split; None when there is none or eval is off
+
+
+def load_corpus(cfg: TrainConfig, runtime: Runtime) -> Corpus:
+    t = cfg.trainer
+    if runtime.is_main:
+        prepare(cfg.data)  # a quick check when it is ready
+    wait_for_main(runtime)
+    data_dir = Path(cfg.data.dir)
+    meta = load_meta(data_dir)
+    train = ShardDataset(data_dir, "train")
+    check_lengths(train, t.pad_to_multiple, cfg.model.max_positions)
+    sampler = TokenBudgetBatchSampler(
+        train.src_lengths,
+        train.tgt_lengths,
+        t.batch_tokens(runtime.world_size),
+        seed=t.seed,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        pad_to_multiple=t.pad_to_multiple,
+    )
+    valid = valid_batches(data_dir, meta, t, runtime, cfg.model.max_positions)
+    return Corpus(meta, (data_dir / SPM_FILE).read_bytes(), train, sampler, valid)
+
+
+def batches_forever(
+    sampler: TokenBudgetBatchSampler, dataset: ShardDataset, pad: int, device: torch.device
+) -> Iterator[Batch]:
+    """Batches on `device` in the sampler's order, epoch after epoch; the sampler's position counts
+    those taken."""
+    while True:
+        for indices in sampler:
+            yield dataset.batch(indices, pad).to(device, non_blocking=True)
+
+
+def check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: int) -> None:
+    """A pair longer than the positional table would fail at its first batch, maybe hours into the run;
+    the lengths are at hand, so it fails now."""
+    longest = int(max(dataset.src_lengths.max(), dataset.tgt_lengths.max()))  # pieces
+    positions = padded_length(longest, pad_to_multiple)  # as the batches pad it
+    if positions > max_positions:
+        raise ConfigError(
+            f"the {dataset.role} split's longest pair needs {positions} positions ({longest} pieces "
+            f"+ EOS, padded to a multiple of trainer.pad_to_multiple={pad_to_multiple}), more than "
+            f"model.max_positions={max_positions}; raise model.max_positions or prepare the data with a "
+            "lower data.max_tokens_per_sentence"
+        )
+
+
+def valid_batches(
+    data_dir: Path, meta: dict[str, Any], t: TrainerConfig, runtime: Runtime, max_positions: int
+) -> list[Batch] | None:
+    """This rank's share of the `valid` split, batched once; None when there is none or eval is off."""
+    if "valid" not in meta["splits"] or t.eval_every_steps == 0:
+        return None
+    valid = ShardDataset(data_dir, "valid")
+    check_lengths(valid, t.pad_to_multiple, max_positions)
+    sampler = TokenBudgetBatchSampler(
+        valid.src_lengths,
+        valid.tgt_lengths,
+        t.max_tokens,
+        shuffle=False,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        pad_to_multiple=t.pad_to_multiple,
+    )
+    return [valid.batch(batch, t.pad_to_multiple) for batch in sampler.epoch_batches(0)]

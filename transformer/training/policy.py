@@ -1,0 +1,131 @@
+"""When the training loop validates, saves and stops.
+
+- validation: every `trainer.eval_every_steps` steps and after the last one;
+- a checkpoint: every `trainer.save_every_steps` steps or `trainer.save_every_minutes` minutes, after
+  the last step, and before a stop;
+- a stop: SIGTERM or Ctrl-C (on any rank) stops the run after the current step's checkpoint, with
+  `TrainingStopped`; a non-finite loss or gradient skips the update, and `trainer.max_nonfinite_steps`
+  of them in a row stop the run with `TrainingError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from transformer.config import TrainerConfig
+from transformer.training.distributed import Runtime, all_reduce_sum, wait_for_main
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (out of memory, a diverging loss); the message says what to change."""
+
+
+class TrainingStopped(Exception):
+    """A signal (SIGTERM, Ctrl-C; on any rank) stopped the run after a checkpoint of `step`."""
+
+    def __init__(self, step: int, signal_name: str | None) -> None:
+        super().__init__(f"stopped at step {step} by {signal_name or 'a signal on another rank'}")
+        self.step = step
+        # a process's exit status after a signal: 128 + its number (SIGTERM 143, Ctrl-C 130)
+        self.exit_status = 128 + signal.Signals[signal_name or "SIGTERM"].value
+
+
+@dataclass
+class Decision:
+    """What to do after a step."""
+
+    validate: bool
+    save: bool
+    stop: bool
+
+
+class Policy:
+    """The loop's decisions, step by step; a context that handles SIGTERM and Ctrl-C meanwhile (a second
+    Ctrl-C interrupts at once). Handlers are installed only in the main thread (Python allows no other)."""
+
+    def __init__(self, t: TrainerConfig, runtime: Runtime) -> None:
+        self.t, self.runtime = t, runtime
+        self.received: str | None = None  # the signal this rank received
+        self.last_save = time.monotonic()
+        self.nonfinite = 0  # skipped updates in a row
+        self._previous: dict[int, Any] = {}
+
+    def requests(self) -> list[float]:
+        """This rank's wishes for the step about to run, summed over the ranks with it: stop, save."""
+        minutes = self.t.save_every_minutes
+        save_due = minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes
+        return [float(self.received is not None), float(save_due)]
+
+    def after_step(self, step: int, stats: dict[str, Any], stop: bool, save_due: bool) -> Decision:
+        """stats: the step's (`step.finish_step`); stop, save_due: any rank's requests."""
+        if stats["finite"]:
+            self.nonfinite = 0
+        else:
+            self._skipped(step, stats)
+        last, healthy = step == self.t.max_steps, self.nonfinite == 0
+        return Decision(
+            validate=healthy and (_every(self.t.eval_every_steps, step) or last),
+            save=stop or save_due or last or (healthy and _every(self.t.save_every_steps, step)),
+            stop=stop,
+        )
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def stop(self, step: int) -> None:
+        """After the checkpoint of `step`: every rank waits until rank 0 has written it (torchrun stops,
+        and after 30 s kills, the other processes as soon as one exits with an error status)."""
+        wait_for_main(self.runtime)
+        log.warning("stopped at step %d by a signal; continue with trainer.resume=auto", step)
+        raise TrainingStopped(step, self.received)
+
+    def after_last_step(self, step: int) -> None:
+        """A signal during the last step (its checkpoint written) stops the run too: the finish stage
+        waits for the next start."""
+        if all_reduce_sum([float(self.received is not None)], self.runtime)[0] > 0:
+            log.warning("stopped after the last step by a signal; the next start runs the finish stage")
+            raise TrainingStopped(step, self.received)
+
+    def _skipped(self, step: int, stats: dict[str, Any]) -> None:
+        self.nonfinite += 1
+        log.warning(
+            "step %d: non-finite loss or gradient (loss %s, gradient norm %s); update skipped (%d in a row)",
+            step + 1,
+            stats["loss"],
+            stats["grad_norm"],
+            self.nonfinite,
+        )
+        if self.nonfinite >= self.t.max_nonfinite_steps:
+            raise TrainingError(
+                f"{self.nonfinite} non-finite updates in a row (trainer.max_nonfinite_steps="
+                f"{self.t.max_nonfinite_steps}): the run diverged; lower optim.lr_scale, raise "
+                "optim.warmup_steps or set optim.clip_grad_norm and resume"
+            )
+
+    def __enter__(self) -> Policy:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        log.warning("%s received: saving a checkpoint after this step", self.received)
+
+    def __exit__(self, *_exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _every(interval: int, step: int) -> bool:
+    """Whether `step` is a multiple of `interval` (0 = never)."""
+    return interval > 0 and step % interval == 0

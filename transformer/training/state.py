@@ -1,0 +1,171 @@
+"""What a training run is made of and what its checkpoints save and restore: the model, Adam and the
+schedule of Eq. (3), the batch sampler's position and every random generator (exact resume: on the
+CPU an interrupted and resumed run ends with bitwise the same weights as an uninterrupted one)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim import Adam
+from torch.optim.lr_scheduler import LambdaLR
+
+from transformer.checkpoint import FORMAT, save_checkpoint
+from transformer.config import ConfigError, OptimConfig, TrainConfig, to_dict
+from transformer.data.batching import TokenBudgetBatchSampler
+from transformer.model import Transformer
+from transformer.training.distributed import Runtime, gather_objects, wrap
+from transformer.training.loss import Seq2SeqLoss
+from transformer.training.schedule import make_scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """What a checkpoint saves and restores, and the optimizer steps taken so far."""
+
+    cfg: TrainConfig
+    runtime: Runtime
+    run_dir: Path
+    model: Transformer  # unwrapped: no compile, no DDP
+    optimizer: Adam
+    scheduler: LambdaLR
+    sampler: TokenBudgetBatchSampler
+    meta: dict[str, Any]
+    spm_model: bytes
+    step: int = 0
+
+    def save(self, data_state: dict[str, int]) -> None:
+        """Write a checkpoint (rank 0); every rank takes part, for its RNG state. data_state: the
+        sampler's state after the batches of the steps taken (the loop reads ahead)."""
+        rngs = gather_objects(rng_state(), self.runtime)
+        if not self.runtime.is_main:
+            return
+        ckpt = {
+            "format": FORMAT,
+            "model": self.model.state_dict(),
+            "model_config": to_dict(self.cfg.model),
+            "spm_model": self.spm_model,
+            "data_meta": self.meta,
+            "config": to_dict(self.cfg),
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data_state": data_state,  # the ranks agree on (epoch, position)
+            "rng": rngs,  # one entry per rank
+        }
+        path = save_checkpoint(ckpt, self.run_dir, self.cfg.trainer.keep_last)
+        log.info("step %d: saved %s", self.step, path)
+
+    def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
+        # the initialisation is the checkpoint's, whatever this run's model.init: its weights replace them
+        model = replace(self.cfg.model, init=ckpt["model_config"]["init"])
+        self.cfg = replace(self.cfg, model=model)
+        mine = to_dict(model)
+        changed = sorted(k for k in mine if ckpt["model_config"].get(k) != mine[k])
+        if changed:
+            raise ConfigError(
+                f"{path} holds a model with other settings ({', '.join(changed)}); "
+                "set trainer.run_dir to a new directory, or trainer.resume=<checkpoint of this model>"
+            )
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self._apply_optim_settings(ckpt.get("config", {}).get("optim", {}))
+        self.sampler.load_state_dict(ckpt["data_state"])
+        self.step = int(ckpt["step"])
+        rngs, rank = ckpt["rng"], self.runtime.rank
+        if len(rngs) == self.runtime.world_size:
+            set_rng_state(rngs[rank])
+        else:
+            log.warning(
+                "%s was written by %d ranks, not %d: the data order and dropout masks will differ from "
+                "an uninterrupted run",
+                path,
+                len(rngs),
+                self.runtime.world_size,
+            )
+            seed_everything(self.cfg.trainer.seed + rank + self.step)
+        log.info("resumed from %s at step %d (epoch %d)", path, self.step, self.sampler.epoch)
+
+    def _apply_optim_settings(self, saved: dict[str, Any]) -> None:
+        """This run's optim settings over those Adam's state was saved with (the README's advice after a
+        divergence: a lower lr_scale or a longer warmup, then resume), from the next update on."""
+        cfg = self.cfg.optim
+        changed = {k: (saved[k], v) for k, v in to_dict(cfg).items() if k in saved and saved[k] != v}
+        if changed:
+            log.info(
+                "resumed with other optim settings: %s",
+                ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+            )
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group.update(
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                lr=factor(self.scheduler.last_epoch),  # the schedule of this run (base lr 1.0)
+            )
+
+
+def start_run(
+    cfg: TrainConfig, runtime: Runtime, sampler: TokenBudgetBatchSampler, meta: dict[str, Any], spm: bytes
+) -> tuple[Run, nn.Module]:
+    """The model (the corpus sets the vocabulary size; every rank starts from the same weights), its
+    objective as the device runs it (`distributed.wrap`), Adam with beta1 = 0.9, beta2 = 0.98,
+    eps = 1e-9 and the schedule of Eq. (3)."""
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=meta["vocab_size"]))
+    seed_everything(cfg.trainer.seed)
+    model = Transformer(cfg.model)
+    objective = wrap(Seq2SeqLoss(model, cfg.optim.label_smoothing), runtime, cfg.trainer.compile)
+    seed_everything(cfg.trainer.seed + runtime.rank)  # each rank its own dropout masks
+    optimizer = adam(model, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.model.d_model)
+    run_dir = Path(cfg.trainer.run_dir)
+    return Run(cfg, runtime, run_dir, model, optimizer, scheduler, sampler, meta, spm), objective
+
+
+def adam(model: nn.Module, cfg: OptimConfig) -> Adam:
+    """lr=1.0: the scheduler's factor is the learning rate itself. Fused kernels (CUDA and CPU):
+    one pass over all parameters instead of a loop of small ops."""
+    return Adam(
+        model.parameters(),
+        lr=1.0,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=True,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator training touches: Python, NumPy, torch CPU and CUDA."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """The inverse of `rng_state`."""
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
