@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.config import ConfigError, TrainConfig, TrainerConfig, from_dict
+from transformer.config import ConfigError, TrainConfig, TrainerConfig, TranslateConfig, from_dict
 from transformer.finish import _next_steps
 from transformer.training import train
 
@@ -199,6 +199,15 @@ def test_bad_values_fail_before_any_work():
     assert composed("name=2024").name == "2024"  # Hydra reads it as a number
     with pytest.raises(ConfigError, match=r"finish.evaluate_split='dev' must be valid, test or null"):
         composed("finish.evaluate_split=dev")
+    # the device and search settings are checked in one place for training, its finish stage and decoding
+    with pytest.raises(ConfigError, match=r"trainer.precision='fp16' must be 'auto', 'fp32' or 'bf16'"):
+        composed("trainer.precision=fp16")
+    with pytest.raises(ConfigError, match=r"finish.max_len_a must be >= 0 and finish.max_len_b >= 1"):
+        composed("finish.max_len_b=0")
+    with pytest.raises(ConfigError, match=r"^precision='fp16' must be 'auto', 'fp32' or 'bf16'"):
+        TranslateConfig(checkpoint="x.pt", precision="fp16")
+    with pytest.raises(ConfigError, match=r"^beam_size=0 must be at least 1"):
+        TranslateConfig(checkpoint="x.pt", beam_size=0)
 
 
 def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):

@@ -179,7 +179,46 @@ class OptimConfig:
 
 
 @dataclass
-class TrainerConfig:
+class DeviceConfig:
+    """Where and in what precision a model runs: training's (`trainer.*`) and decoding's settings."""
+
+    device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
+    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
+    threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
+
+    def check_device(self, where: str = "") -> None:
+        _check(
+            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+            f"{where}device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
+        )
+        _check(
+            self.precision in ("auto", "fp32", "bf16"),
+            f"{where}precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
+        )
+        _check(self.threads is None or self.threads >= 1, f"{where}threads={self.threads} must be at least 1")
+
+
+@dataclass
+class SearchConfig:
+    """How to search (§6.1): beam 4, length penalty alpha 0.6, maximum output = input + 50; decoding's
+    and the finish stage's (`finish.*`) settings."""
+
+    beam_size: int = 4  # 1 = greedy search (no length penalty)
+    alpha: float = 0.6  # GNMT length penalty exponent
+    max_len_a: float = 1.0  # maximum output length = max_len_a * source tokens + max_len_b
+    max_len_b: int = 50
+
+    def check_search(self, where: str = "") -> None:
+        _check(self.beam_size >= 1, f"{where}beam_size={self.beam_size} must be at least 1")
+        _check(self.alpha >= 0, f"{where}alpha={self.alpha} must be >= 0")
+        _check(
+            self.max_len_a >= 0 and self.max_len_b >= 1,
+            f"{where}max_len_a must be >= 0 and {where}max_len_b >= 1",
+        )
+
+
+@dataclass
+class TrainerConfig(DeviceConfig):
     """How long, how big a step, where to write, and on what device."""
 
     run_dir: str = "runs/default"
@@ -187,8 +226,6 @@ class TrainerConfig:
     tokens_per_step: int = 28672  # padded tokens per optimizer step: ~25k real target tokens (§5.1)
     max_tokens: int = 14336  # padded tokens per batch per rank, at most (memory); see batch_tokens
     pad_to_multiple: int = 8  # pad batch lengths to a multiple of this (aligned matmuls)
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     compile: bool = False
     save_every_steps: int = 1000  # 0 = off
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
@@ -199,7 +236,6 @@ class TrainerConfig:
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
     seed: int = 1
     progress: bool = True
-    threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
     dist_timeout_minutes: float = 15.0  # a collective waiting longer (a peer died) fails instead of hanging
 
     def __post_init__(self) -> None:
@@ -216,17 +252,7 @@ class TrainerConfig:
         for name in ("save_every_steps", "save_every_minutes", "eval_every_steps"):
             _check(getattr(self, name) >= 0, f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
         _check(self.pad_to_multiple >= 1, "trainer.pad_to_multiple must be at least 1")
-        _check(
-            self.threads is None or self.threads >= 1, f"trainer.threads={self.threads} must be at least 1"
-        )
-        _check(
-            self.precision in ("auto", "fp32", "bf16"),
-            f"trainer.precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
-        )
-        _check(
-            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-            f"trainer.device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
-        )
+        self.check_device("trainer.")
 
     def grad_accum(self, world_size: int) -> int:
         """Batches per rank per optimizer step, so that max_tokens x accum x ranks >= tokens_per_step."""
@@ -239,15 +265,14 @@ class TrainerConfig:
 
 
 @dataclass
-class FinishConfig:
-    """What `train.py` does once training ends (rank 0): average, evaluate, show translations."""
+class FinishConfig(SearchConfig):
+    """What `train.py` does once training ends (rank 0): average, evaluate, show translations, decoding
+    with the search settings of §6.1 unless told otherwise."""
 
     average_last: int = 0  # average the last K checkpoints (§6.1: 5 for base, 20 for big); 0 = skip
     evaluate_split: str | None = None  # role ("valid", "test") to score with BLEU; None = skip
     examples: list[str] = field(default_factory=list)  # sentences to translate and print
     attention_text: str | None = None  # write attention heatmaps for this sentence
-    beam_size: int = 4  # §6.1
-    alpha: float = 0.6  # length penalty, §6.1
 
     def __post_init__(self) -> None:
         _check(self.average_last >= 0, "finish.average_last must be >= 0")
@@ -255,8 +280,7 @@ class FinishConfig:
             self.evaluate_split in (None, "valid", "test"),
             f"finish.evaluate_split={self.evaluate_split!r} must be valid, test or null",
         )
-        _check(self.beam_size >= 1, "finish.beam_size must be >= 1")
-        _check(self.alpha >= 0, f"finish.alpha={self.alpha} must be >= 0")
+        self.check_search("finish.")
 
 
 @dataclass
@@ -272,20 +296,13 @@ class TrainConfig:
 
 
 @dataclass
-class DecodeConfig:
-    """A checkpoint and how to decode with it (§6.1): beam 4, alpha 0.6, max output = input + 50."""
+class DecodeConfig(SearchConfig, DeviceConfig):
+    """A checkpoint and how to decode with it: the search (§6.1), the device, the batches."""
 
     checkpoint: str | None = None  # a checkpoint file (it carries its tokenizer)
-    beam_size: int = 4  # 1 = greedy search (no length penalty)
-    alpha: float = 0.6  # GNMT length penalty exponent
-    max_len_a: float = 1.0  # maximum output length = max_len_a * source tokens + max_len_b
-    max_len_b: int = 50
     max_tokens: int = 4096  # padded source tokens per batch
     max_sentences: int = 256  # sentences per batch: bounds the decoder's cache on batches of short lines
-    device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
-    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     cuda_graphs: bool = False  # search in static shapes, each step one CUDA graph replay (decoding/search.py)
-    threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
 
     def __post_init__(self) -> None:
         _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
@@ -294,20 +311,10 @@ class DecodeConfig:
         for f in dataclasses.fields(self):
             if not dataclasses.is_dataclass(hints[f.name]):  # EvaluateConfig.data comes typed
                 setattr(self, f.name, _typed(hints[f.name], getattr(self, f.name), f.name))
-        _check(self.beam_size >= 1, f"beam_size={self.beam_size} must be at least 1")
-        _check(self.alpha >= 0, f"alpha={self.alpha} must be >= 0")
-        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "max_len_a must be >= 0 and max_len_b >= 1")
+        self.check_search()
+        self.check_device()
         _check(self.max_tokens > 0, f"max_tokens={self.max_tokens} must be positive")
         _check(self.max_sentences > 0, f"max_sentences={self.max_sentences} must be positive")
-        _check(self.threads is None or self.threads >= 1, f"threads={self.threads} must be at least 1")
-        _check(
-            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-            f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
-        )
-        _check(
-            self.precision in ("auto", "fp32", "bf16"),
-            f"precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
-        )
 
 
 @dataclass

@@ -14,7 +14,7 @@ from transformer.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
 )
-from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
+from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, SearchConfig, TrainConfig
 from transformer.data.sources import split_names
 from transformer.evaluation import evaluate_checkpoint
 from transformer.translation import Translator
@@ -40,13 +40,9 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     checkpoint = found[0]
     if f.average_last > 0:
         checkpoint = _average(run_dir, f.average_last)
-    decode = dict(
-        checkpoint=str(checkpoint),
-        beam_size=f.beam_size,
-        alpha=f.alpha,
-        device=cfg.trainer.device,
-        threads=cfg.trainer.threads,
-    )
+    search = {name: getattr(f, name) for name in SearchConfig.__dataclass_fields__}
+    device = {"device": cfg.trainer.device, "threads": cfg.trainer.threads}  # precision: decoding's own
+    decode = dict(checkpoint=str(checkpoint), **search, **device)
     written = [checkpoint]
     if f.evaluate_split is None and not f.examples and not f.attention_text:
         _next_steps(cfg, run_dir, checkpoint, written)
