@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformer.checkpoint import FORMAT, atomic_save
 from transformer.config import ModelConfig, to_dict
@@ -87,3 +90,12 @@ def sources(lengths: list[int], vocab: int, seed: int = 1) -> torch.Tensor:
         src[row, :n] = torch.randint(4, vocab, (n,), generator=g)
         src[row, n] = EOS_ID
     return src
+
+
+@contextmanager
+def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The calls of the fused attention kernel within the block."""
+    calls, fused = [], F.scaled_dot_product_attention
+    with monkeypatch.context() as patch:
+        patch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+        yield calls

@@ -3,12 +3,10 @@ float64 math; written-out short attention and noise dropout against their plain 
 module swaps of apply_cpu_kernels, which keep the model's parameters, keys and outputs."""
 
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import sources
+from conftest import sdpa_calls, sources
 
 from transformer.attention import MultiHeadAttention
 from transformer.config import ModelConfig
@@ -105,15 +103,6 @@ def test_prepacked_weights_give_the_same_products_and_follow_in_place_changes():
             w.mul_(2.0)  # changed in place: the stale copy must not be used
             torch.testing.assert_close(linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)
         assert linear_module._packed == {}
-
-
-@contextmanager
-def sdpa_calls(monkeypatch):
-    """The calls of the fused kernel within the block."""
-    calls, fused = [], F.scaled_dot_product_attention
-    with monkeypatch.context() as patch:
-        patch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
-        yield calls
 
 
 @pytest.mark.parametrize("kind", ["encoder_self", "decoder_self", "cross"])

@@ -1,12 +1,12 @@
 """The model against the paper's definitions, computed independently (float64, CPU)."""
 
 import math
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import sdpa_calls
 
 from transformer.attention import MultiHeadAttention
 from transformer.config import ConfigError, ModelConfig
@@ -90,15 +90,6 @@ def test_fused_and_written_out_attention_match_explicit_math(kind, n_kv_heads):
     )
     torch.testing.assert_close(reference, expected, rtol=1e-10, atol=1e-12)
     assert type(attn) is MultiHeadAttention  # the recording is undone
-
-
-@contextmanager
-def sdpa_calls(monkeypatch):
-    """The calls of the fused kernel within the block."""
-    calls, fused = [], F.scaled_dot_product_attention
-    with monkeypatch.context() as patch:
-        patch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
-        yield calls
 
 
 def test_whole_model_fused_equals_written_out_attention(monkeypatch):
