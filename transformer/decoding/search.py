@@ -34,6 +34,7 @@ import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -179,18 +180,10 @@ def beam_search(
     return results.result()
 
 
-@torch.inference_mode()
-def greedy_search(
-    model: Transformer,
-    src: Tensor,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
-    min_len: int = 0,
-    static: bool = False,
-) -> SearchResult:
+def greedy_search(model: Transformer, src: Tensor, **limits: Any) -> SearchResult:
     """The most probable next token at every step: `beam_search` with a beam of 1 and no length penalty
-    (its scores are log P(Y|X))."""
-    return beam_search(model, src, 1, 0.0, max_len_a, max_len_b, min_len, static)
+    (its scores are log P(Y|X)); `limits`: max_len_a, max_len_b, min_len, static."""
+    return beam_search(model, src, beam_size=1, alpha=0.0, **limits)
 
 
 def _step(
