@@ -9,12 +9,9 @@ Pad positions of the target contribute nothing. The sum over tokens is returned,
 training loop divides by the non-pad target tokens of the whole optimizer step (all accumulated
 batches on all ranks), so the result does not depend on how a step is split into batches.
 
-Memory: the loss takes the final decoder states and the output projection's weight, not logits. The
-(N, V) logits, the largest activation of the model (37k floats per target token), only ever exist
-for CHUNK_ROWS rows at a time: each chunk's logits give its loss and, right away, its gradient
-dH/dz = p - q, which goes through the projection at once (into the gradients of the states and of
-the weight); backward then only scales those by the loss's incoming gradient. The same FLOPs as
-projecting, then differentiating, but no (N, V) tensor is kept from forward to backward.
+The loss takes the final decoder states and the output projection's weight, not logits: the (N, V)
+logits exist for CHUNK_ROWS rows at a time, each chunk's gradient computed at once
+(docs/performance.md, "The loss makes the output projection itself").
 """
 
 from __future__ import annotations
