@@ -44,6 +44,7 @@ class DecoderCache:
             self.keys.append(k.new_zeros(rows, h, limit, layer.self_attn.d_k))
             self.values.append(v.new_zeros(rows, h, limit, layer.self_attn.d_v))
             self.spare.append((torch.empty_like(self.keys[-1]), torch.empty_like(self.values[-1])))
+        self.pending: list[Tensor | None] = [None] * len(self.keys)  # a reorder not carried out yet
 
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write k, v (rows, H_kv, T, d) after the positions held; returns every position's keys and
@@ -54,6 +55,9 @@ class DecoderCache:
             self.keys[layer].index_copy_(2, at, k)
             self.values[layer].index_copy_(2, at, v)
             return self.keys[layer], self.values[layer], self.key_mask[:, None, None, :]
+        if self.pending[layer] is not None:  # right before attention reads them: still in cache then
+            self._reorder(layer, self.pending[layer], self.length)
+            self.pending[layer] = None
         end = self.length + t
         self.keys[layer][:, :, self.length : end] = k
         self.values[layer][:, :, self.length : end] = v
@@ -76,16 +80,24 @@ class DecoderCache:
     def reorder(self, rows: Tensor, sentences: Tensor | None = None) -> None:
         """Row i becomes row rows[i] (R',), a row may repeat (the beams of one hypothesis); `sentences`
         (N',), where some leave the batch (dynamic layout), are those kept of the encoder-decoder keys
-        and values. One copy into the spare buffers, which then trade places with the buffers."""
-        n, end = rows.size(0), (self.keys[0].size(2) if self.static else self.length)
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            spare_k, spare_v = self.spare[i][0][:n], self.spare[i][1][:n]  # rows only ever shrink
-            torch.index_select(k[:, :, :end], 0, rows, out=spare_k[:, :, :end])
-            torch.index_select(v[:, :, :end], 0, rows, out=spare_v[:, :, :end])
-            self.keys[i], self.values[i], self.spare[i] = spare_k, spare_v, (k, v)
+        and values. The static layout copies at once; the dynamic one when each layer next extends."""
+        if self.static:
+            for layer in range(len(self.keys)):
+                self._reorder(layer, rows, self.keys[layer].size(2))
+        else:
+            self.pending = [rows if p is None else p[rows] for p in self.pending]
         if sentences is not None:
             self.cross = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.cross]
             self.src_mask = self.src_mask.index_select(0, sentences)
+
+    def _reorder(self, layer: int, rows: Tensor, end: int) -> None:
+        """One copy of the first `end` positions into the spare buffers, which then trade places with
+        the layer's buffers (rows only ever shrink: the spare ones have enough)."""
+        k, v = self.keys[layer], self.values[layer]
+        spare_k, spare_v = self.spare[layer][0][: rows.size(0)], self.spare[layer][1][: rows.size(0)]
+        torch.index_select(k[:, :, :end], 0, rows, out=spare_k[:, :, :end])
+        torch.index_select(v[:, :, :end], 0, rows, out=spare_v[:, :, :end])
+        self.keys[layer], self.values[layer], self.spare[layer] = spare_k, spare_v, (k, v)
 
 
 def decode_step(model: Transformer, tokens: Tensor, cache: DecoderCache) -> Tensor:
