@@ -75,7 +75,7 @@ def test_every_group_option_composes_and_validates(group):
         composed(f"{group}={option}")
 
 
-@pytest.mark.parametrize("name", ["translate", "prepare_data", "evaluate", "visualize"])
+@pytest.mark.parametrize("name", ["translate", "prepare_data", "evaluate", "visualize", "export"])
 def test_app_configs_compose(name):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = compose(name)

@@ -357,6 +357,31 @@ class VisualizeConfig(DecodeConfig):
         _check(bool(self.text and self.text.strip()), 'text="..." is required: the sentence to translate')
 
 
+EXPORT_FORMATS = ("ctranslate2", "huggingface")
+
+
+@dataclass
+class ExportConfig:
+    """`scripts/export.py`: a checkpoint written out for CTranslate2 or Hugging Face `transformers`."""
+
+    checkpoint: str | None = None  # a checkpoint file written by train.py
+    format: str = "ctranslate2"  # "ctranslate2" | "huggingface"
+    out: str | None = None  # the directory to write (new, or empty)
+    quantization: str | None = None  # ctranslate2 only: "int8", "int8_float32", ... (None = float32)
+
+    def __post_init__(self) -> None:
+        _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
+        _check(self.out is not None, "out=DIR is required: the directory to write")
+        _check(
+            self.format in EXPORT_FORMATS,
+            f"format={self.format!r} must be one of {', '.join(EXPORT_FORMATS)}",
+        )
+        _check(
+            self.quantization is None or self.format == "ctranslate2",
+            f"quantization={self.quantization} applies to format=ctranslate2 only",
+        )
+
+
 def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
     """Build dataclass `cls` from nested plain dicts, rejecting unknown keys by name."""
     if not isinstance(values, dict):

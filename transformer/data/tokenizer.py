@@ -71,6 +71,10 @@ class Tokenizer:
         """The piece string of every id, special symbols included (for inspection and attention plots)."""
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
+    def piece_id(self, piece: str) -> int:
+        """The id of a piece string (UNK_ID for one not in the vocabulary)."""
+        return self._sp.piece_to_id(piece)
+
 
 def train(
     sentences: Iterable[str], vocab_size: int, *, lowercase: bool = False, num_threads: int = 1

@@ -1,0 +1,73 @@
+"""Export a trained checkpoint for deployment: a CTranslate2 model directory, or a Hugging Face
+`transformers` directory (MarianMTModel and its tokenizer).
+
+  python scripts/export.py checkpoint=runs/demo/checkpoints/checkpoint_average_last5.pt \
+      format=ctranslate2 out=exported/demo_ct2 [quantization=int8]
+  python scripts/export.py checkpoint=... format=huggingface out=exported/demo_hf
+
+The directory appears only complete (written beside it, then renamed). Needs the optional packages:
+pip install -e ".[export]".
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
+
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint  # noqa: E402
+from transformer.config import ConfigError, ExportConfig, from_dict  # noqa: E402
+from transformer.translation import exit_with_error  # noqa: E402
+
+USAGE = {
+    "ctranslate2": "ctranslate2.Translator({out!r}).translate_batch([pieces]) (pieces: {out}/spm.model)",
+    "huggingface": "transformers.MarianMTModel.from_pretrained({out!r}), MarianTokenizer likewise",
+}
+
+
+def export(cfg: ExportConfig) -> Path:
+    out = Path(cfg.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"out={cfg.out} exists and is not an empty directory; choose a new one")
+    package = "ctranslate2" if cfg.format == "ctranslate2" else "transformers"
+    try:
+        __import__(package)
+    except ImportError:
+        raise ConfigError(f"format={cfg.format} needs {package}: pip install -e '.[export]'") from None
+    ckpt = load_checkpoint(cfg.checkpoint)
+    model = model_from_checkpoint(ckpt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        written = Path(tmp) / "model"
+        if cfg.format == "ctranslate2":
+            from transformer.export.ctranslate2 import export_ctranslate2
+
+            export_ctranslate2(model, ckpt["spm_model"], written, cfg.quantization)
+        else:
+            from transformer.export.huggingface import export_huggingface
+
+            export_huggingface(model, ckpt["spm_model"], written)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(written, out)
+    return out
+
+
+@hydra.main(config_path="../configs", config_name="export", version_base=None)
+def main(cfg: DictConfig) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the network
+    try:
+        config = from_dict(ExportConfig, OmegaConf.to_container(cfg, resolve=True))
+        out = export(config)
+    except (ConfigError, CheckpointError, OSError) as error:
+        exit_with_error(error)
+    print(f"wrote {out} ({config.format}{', ' + config.quantization if config.quantization else ''})")
+    print("use: " + USAGE[config.format].format(out=str(out)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""scripts/export.py: a checkpoint as a Hugging Face MarianMTModel (the same logits as this model on
+padded batches, its tokenizer the same pieces) and as a CTranslate2 model (the same greedy outputs;
+int8 translates), through the real command; models they cannot hold are refused by setting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_checkpoint
+
+from transformer.checkpoint import atomic_save, load_checkpoint, model_from_checkpoint
+from transformer.config import ConfigError, ModelConfig
+from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer.decoding import greedy_search
+from transformer.export.huggingface import export_huggingface
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["The cat sees the house.", "A dog likes a red ball.", "My friend finds the old tree.", "Ein Hund."]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny checkpoint whose weights are scaled up so that its outputs depend on the context (an
+    untrained one at init scale repeats one token) and end before their limit."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("export") / "checkpoint.pt", seed=3)
+    ckpt = load_checkpoint(path)
+    for name, tensor in ckpt["model"].items():
+        if name.startswith(("embed", "decoder")) and "norm" not in name:
+            tensor.mul_(3.0)
+    atomic_save(ckpt, path)
+    return path
+
+
+def export(*overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(ROOT / "scripts" / "export.py"), *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+
+
+def test_huggingface_export_gives_this_models_logits_and_pieces(checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    done = export(f"checkpoint={checkpoint}", "format=huggingface", f"out={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    ckpt = load_checkpoint(checkpoint)
+    ours = model_from_checkpoint(ckpt)
+    marian = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    src = torch.tensor([[5, 6, 7, 8, 9, EOS_ID], [10, 11, EOS_ID, PAD_ID, PAD_ID, PAD_ID]])
+    tgt = torch.tensor([[2, 12, 13, 14], [2, 15, 16, PAD_ID]])
+    with torch.no_grad():
+        expected = ours(src, tgt)
+        logits = marian(input_ids=src, attention_mask=(src != PAD_ID).long(), decoder_input_ids=tgt).logits
+    real = tgt != PAD_ID
+    assert (logits[real] - expected[real]).abs().max().item() <= 1e-4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    pieces = Tokenizer.from_bytes(ckpt["spm_model"])
+    assert tokenizer(SOURCES[0])["input_ids"] == pieces.encode(SOURCES[0]) + [EOS_ID]
+
+
+def test_huggingface_export_translates_a_sentence_as_this_model(checkpoint, tmp_path):
+    """transformers 4 through `pipeline("translation")`; 5 removed that pipeline: through generate."""
+    transformers = pytest.importorskip("transformers")
+    ckpt = load_checkpoint(checkpoint)
+    export_huggingface(model_from_checkpoint(ckpt), ckpt["spm_model"], tmp_path / "hf")
+    tokenizer = Tokenizer.from_bytes(ckpt["spm_model"])
+    src = torch.tensor([tokenizer.encode(SOURCES[1]) + [EOS_ID]])
+    ours = greedy_search(model_from_checkpoint(ckpt), src, max_len_b=20).tokens[0]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    expected = hf_tokenizer.decode(ours, skip_special_tokens=True)
+    limit = {"num_beams": 1, "max_new_tokens": src.size(1) + 20}
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pipe = transformers.pipeline("translation", model=str(tmp_path / "hf"))
+        assert pipe(SOURCES[1], **limit)[0]["translation_text"] == expected and expected
+    else:
+        model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf")
+        output = model.generate(**hf_tokenizer([SOURCES[1]], return_tensors="pt"), **limit)[0]
+        assert output[0] == 2 and output[1 : len(ours) + 1].tolist() == ours  # after the start token
+        assert hf_tokenizer.decode(output, skip_special_tokens=True) == expected and expected
+
+
+@pytest.mark.parametrize(
+    "change, setting",
+    [
+        ({"norm_first": True}, "model.norm_first=true"),
+        ({"positional": "learned"}, "model.positional=learned"),
+        ({"n_kv_heads": 2}, "model.n_kv_heads=2"),
+        ({"d_k": 4, "d_v": 4}, "model.d_k=4"),
+    ],
+)
+def test_a_model_marian_cannot_hold_is_refused_by_its_setting(tmp_path, change, setting):
+    cfg = ModelConfig(**{**dict(vocab_size=80, d_model=32, n_heads=4, d_ff=64, n_layers=1), **change})
+    from transformer.model import Transformer
+
+    with pytest.raises(ConfigError, match=f"cannot be a MarianMTModel: {setting}"):
+        export_huggingface(Transformer(cfg), b"", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_ctranslate2_export_decodes_as_this_model(checkpoint, tmp_path, quantization):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    out = tmp_path / "ct2"
+    args = [f"checkpoint={checkpoint}", "format=ctranslate2", f"out={out}"]
+    done = export(*args, *([f"quantization={quantization}"] if quantization else []))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}" in done.stdout and (out / "spm.model").is_file()
+    ckpt = load_checkpoint(checkpoint)
+    tokenizer = Tokenizer.from_bytes(ckpt["spm_model"])
+    ids = [tokenizer.encode(s) for s in SOURCES]
+    translator = ctranslate2.Translator(str(out), device="cpu", compute_type=quantization or "float32")
+    pieces = [tokenizer.pieces(i) for i in ids]
+    never = [["<pad>"], ["<s>"]]  # PAD and BOS, which this project's search never generates
+    results = translator.translate_batch(
+        pieces, beam_size=1, max_decoding_length=60, suppress_sequences=never
+    )
+    theirs = [[tokenizer.piece_id(p) for p in r.hypotheses[0]] for r in results]
+    model = model_from_checkpoint(ckpt)
+    ours = [
+        greedy_search(model, torch.tensor([i + [EOS_ID]]), max_len_a=0.0, max_len_b=60).tokens[0] for i in ids
+    ]
+    if quantization is None:
+        assert theirs == ours and len({len(t) for t in ours}) > 1  # outputs that end at different steps
+    else:  # weights stored in 8 bits (the embedding too): a smaller file that translates every line
+        float32 = export(f"checkpoint={checkpoint}", "format=ctranslate2", f"out={tmp_path / 'f32'}")
+        assert float32.returncode == 0, float32.stderr
+        assert (out / "model.bin").stat().st_size < 0.5 * (tmp_path / "f32" / "model.bin").stat().st_size
+        assert len(theirs) == len(ours) and all(theirs)
+
+
+def test_the_export_command_refuses_mistakes_in_one_line(checkpoint, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    for args, message in [
+        ([f"out={tmp_path / 'full'}"], "exists and is not an empty directory"),
+        (
+            [f"out={tmp_path / 'q'}", "format=huggingface", "quantization=int8"],
+            "applies to format=ctranslate2",
+        ),
+        ([f"out={tmp_path / 'q'}", "format=onnx"], "format='onnx' must be one of ctranslate2, huggingface"),
+        ([], "out=DIR is required"),
+    ]:
+        done = export(f"checkpoint={checkpoint}", *args)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"error: {done.stderr.strip()[7:]}"
+        ]
+        assert message in done.stderr, done.stderr
+    assert not (tmp_path / "q").exists()
