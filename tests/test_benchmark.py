@@ -72,7 +72,14 @@ def test_every_section_at_tiny_sizes(tmp_path):
     )  # fmt: skip
     check_train(report["train"], {"ours", "nn.Transformer", "Marian (HF)"}, {"eager"})
     for mode in report["decode"].values():
-        assert [r["decoder"] for r in mode["rows"]] == ["ours", "CTranslate2 float32", "HF generate"]
+        decoders = [
+            "ours",
+            "ours int8",
+            "CTranslate2 float32",
+            "CTranslate2 int8",
+            "CTranslate2 int8_float32",
+        ]
+        assert [r["decoder"] for r in mode["rows"]] == [*decoders, "HF generate"]
         for r in mode["rows"]:
             # EOS suppressed, length capped: every decoder outputs exactly the forced number of tokens
             assert r["output_tokens"] == sentences * new_tokens, r["decoder"]
@@ -91,6 +98,8 @@ def test_every_section_at_tiny_sizes(tmp_path):
     ratio = goals["beam 4, ours vs HF generate"]["ratio"]
     assert ratio == pytest.approx(beam["ours"] / beam["HF generate"])
     assert "beam 4, ours vs CTranslate2 float32" in goals
+    ratio = goals["beam 4, ours int8 vs CTranslate2 int8"]["ratio"]  # int8 against int8
+    assert ratio == pytest.approx(beam["ours int8"] / beam["CTranslate2 int8"])
 
 
 @pytest.mark.slow
@@ -237,8 +246,14 @@ def test_targets_are_the_goals_of_the_device(monkeypatch):
     assert (hf["ratio"], hf["target"], hf["met"]) == (1100 / 250, 5.0, False)
     assert cuda["beam 4, ours, CUDA graphs vs CTranslate2 bfloat16"]["met"]  # 1.1 >= 1.0
 
-    del beam[1]  # a CPU run has no CUDA graphs
+    del beam[1]  # a CPU run has no CUDA graphs, and has int8 rows
+    beam += [
+        {"decoder": "ours int8", "tokens_per_s": 800.0},
+        {"decoder": "CTranslate2 int8", "tokens_per_s": 700.0},
+    ]
     cpu = {t["goal"]: t for t in benchmark.targets({**report, "meta": {"device": "cpu"}})}
+    int8 = cpu["beam 4, ours int8 vs CTranslate2 int8"]
+    assert (int8["ratio"], int8["target"], int8["met"]) == (800 / 700, 1.0, True)
     train = cpu["train step, ours (compiled) vs nn.Transformer (eager)"]  # the peer's fastest mode
     assert (train["ratio"], train["target"]) == (1000 / 520, 1.3)
     assert not any("memory" in goal for goal in cpu)

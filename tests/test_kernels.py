@@ -94,12 +94,12 @@ def test_prepacked_weights_give_the_same_products_and_follow_in_place_changes():
         plain, plain_chunk = linear(x, w, b, relu=True), linear(x, chunk)
         with prepacked([w, chunk, torch.randn(3, 4, dtype=torch.float64)]):
             assert len(linear_module._packed) == 2  # float32 CPU weights only
-            packed = linear_module._packed[linear_module._key(w)][2]
+            packed = linear_module._packed[linear_module._key(w)].blocked
             assert packed.layout == torch._mkldnn  # oneDNN's own blocked copy
             torch.testing.assert_close(linear(x, w, b, relu=True), plain, rtol=1e-6, atol=1e-5)
             torch.testing.assert_close(linear(x, chunk), plain_chunk, rtol=1e-6, atol=1e-5)
             with prepacked([w]):  # nested: the copy already made is reused
-                assert linear_module._packed[linear_module._key(w)][2] is packed
+                assert linear_module._packed[linear_module._key(w)].blocked is packed
             w.mul_(2.0)  # changed in place: the stale copy must not be used
             torch.testing.assert_close(linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)
         assert linear_module._packed == {}
@@ -168,3 +168,29 @@ def test_the_cpu_kernels_keep_the_parameters_keys_outputs_and_gradients(override
     torch.testing.assert_close(fast(src, tgt), plain(src, tgt), rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(plain.named_parameters(), fast.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_int8_products_are_the_8_bit_weights_times_the_input_within_the_activations_rounding(relu):
+    """prepacked(int8=True): weights rounded to 8 bits per output row (symmetric, scale = max|w| / 127),
+    activations rounded per call to at most 256 levels over their range; so each output is the product
+    with the rounded weights, off by at most half an activation step times the row's sum of |w|."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (
+        torch.randn(6, 48, generator=g),
+        torch.randn(40, 48, generator=g) * 0.1,
+        torch.randn(40, generator=g),
+    )
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    w8 = (w / scale).round().clamp(-127, 127) * scale  # (N, K): what the 8-bit weights stand for
+    expected = x @ w8.T + b
+    bound = (x.max() - x.min()) / 127 / 2 * w8.abs().sum(dim=1)  # (N,): 7-bit activations, the coarser case
+    with torch.inference_mode(), prepacked([(w, b)], int8=True):
+        y = linear(x, w, b, relu=relu)
+        with pytest.raises(ValueError, match="another bias"):
+            linear(x, w, torch.zeros(40))
+    if relu:
+        expected = expected.clamp(min=0)
+    assert ((y - expected).abs() <= bound + 1e-5).all()
+    assert (y - expected).abs().max() > 0  # the activations were rounded indeed
+    assert not torch.allclose(w8, w)  # and the weights

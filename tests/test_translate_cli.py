@@ -171,6 +171,19 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
+def test_int8_translates_every_line_on_the_cpu_and_is_refused_elsewhere(tiny_checkpoint, tmp_path):
+    lines = b"The cat sees the house.\n\nA dog likes a red ball.\n"
+    done = translate(f"checkpoint={tiny_checkpoint}", "precision=int8", "beam_size=2", stdin=lines)
+    assert done.returncode == 0, done.stderr.decode()
+    output = done.stdout.decode().split("\n")
+    assert len(output) == 4 and output[0] and output[1] == "" and output[2] and output[3] == ""
+    fp32 = translate(f"checkpoint={tiny_checkpoint}", "beam_size=2", stdin=lines)
+    assert fp32.stdout.decode().split("\n")[0]  # both translate (this untrained model's outputs may differ)
+    for setting in ({"cuda_graphs": True}, {"device": "cuda"}):
+        with pytest.raises(ConfigError, match="precision=int8 runs on the CPU"):
+            TranslateConfig(checkpoint=str(tiny_checkpoint), precision="int8", **setting)
+
+
 def test_threads_sets_the_cpu_threads_of_decoding(tiny_checkpoint):
     before = torch.get_num_threads()
     try:

@@ -183,17 +183,17 @@ class DeviceConfig:
     """Where and in what precision a model runs: training's (`trainer.*`) and decoding's settings."""
 
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
-    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
+    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16" (| "int8": decoding)
     threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
 
-    def check_device(self, where: str = "") -> None:
+    def check_device(self, where: str = "", precisions: tuple[str, ...] = ("auto", "fp32", "bf16")) -> None:
         _check(
             self.device in ("auto", "cpu") or self.device.startswith("cuda"),
             f"{where}device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
         _check(
-            self.precision in ("auto", "fp32", "bf16"),
-            f"{where}precision={self.precision!r} must be 'auto', 'fp32' or 'bf16'",
+            self.precision in precisions,
+            f"{where}precision={self.precision!r} must be {', '.join(map(repr, precisions))}",
         )
         _check(self.threads is None or self.threads >= 1, f"{where}threads={self.threads} must be at least 1")
 
@@ -273,9 +273,14 @@ class FinishConfig(SearchConfig):
     evaluate_split: str | None = None  # role ("valid", "test") to score with BLEU; None = skip
     examples: list[str] = field(default_factory=list)  # sentences to translate and print
     attention_text: str | None = None  # write attention heatmaps for this sentence
+    precision: str = "auto"  # of its decoding: "auto" (bf16 on CUDA) | "fp32" | "bf16" | "int8" (CPU)
 
     def __post_init__(self) -> None:
         _check(self.average_last >= 0, "finish.average_last must be >= 0")
+        _check(
+            self.precision in DECODE_PRECISIONS,
+            f"finish.precision={self.precision!r} must be {', '.join(map(repr, DECODE_PRECISIONS))}",
+        )
         _check(
             self.evaluate_split in (None, "valid", "test"),
             f"finish.evaluate_split={self.evaluate_split!r} must be valid, test or null",
@@ -295,6 +300,9 @@ class TrainConfig:
     finish: FinishConfig = field(default_factory=FinishConfig)
 
 
+DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
+
+
 @dataclass
 class DecodeConfig(SearchConfig, DeviceConfig):
     """A checkpoint and how to decode with it: the search (§6.1), the device, the batches."""
@@ -312,7 +320,11 @@ class DecodeConfig(SearchConfig, DeviceConfig):
             if not dataclasses.is_dataclass(hints[f.name]):  # EvaluateConfig.data comes typed
                 setattr(self, f.name, _typed(hints[f.name], getattr(self, f.name), f.name))
         self.check_search()
-        self.check_device()
+        self.check_device(precisions=DECODE_PRECISIONS)
+        _check(
+            self.precision != "int8" or (not self.device.startswith("cuda") and not self.cuda_graphs),
+            "precision=int8 runs on the CPU: not with device=cuda or cuda_graphs=true",
+        )
         _check(self.max_tokens > 0, f"max_tokens={self.max_tokens} must be positive")
         _check(self.max_sentences > 0, f"max_sentences={self.max_sentences} must be positive")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
 import torch
@@ -82,6 +83,10 @@ class Translator:
         model = model.to(device)  # out of the try: a device's error (out of memory) is not the file's
         if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
             model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding/search.py)
+        if cfg.precision == "int8" and device.type != "cpu":
+            raise ConfigError(
+                f"precision=int8 runs on the CPU; device={cfg.device} gives {device}: add device=cpu"
+            )
         if device.type == "cpu":
             apply_cpu_kernels(model)
         return cls(model, tokenizer, cfg, {k: ckpt.get(k) for k in ("step", "data_meta", "config")})
@@ -98,6 +103,11 @@ class Translator:
         warn_lines(too_long, f"translating the first {room} pieces")
         return sources
 
+    def packed(self) -> AbstractContextManager[None]:
+        """The weights packed once for every batch (`kernels.prepacked`), in 8 bits for precision=int8."""
+        int8 = self.cfg.precision == "int8"
+        return prepacked(search_weights(self.model, int8), int8)
+
     def search(self, src: torch.Tensor) -> SearchResult:
         """Beam search as in §6.1 (beam_size=1: greedy, without length penalty) on a padded batch (B, S);
         with cuda_graphs, in static shapes and CUDA graphs."""
@@ -111,7 +121,7 @@ class Translator:
         outputs: list[list[int]] = [[] for _ in sources]
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
         bar = tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating")
-        with bar, prepacked(search_weights(self.model)):  # the weights packed once for every batch
+        with bar, self.packed():
             lengths, cfg = [len(ids) for ids in sources], self.cfg
             for batch in _batches(todo, lengths, cfg.max_tokens, cfg.max_sentences):
                 src = torch.full((len(batch), len(sources[batch[0]])), PAD_ID, dtype=torch.long)  # (B, S)

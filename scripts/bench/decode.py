@@ -5,6 +5,7 @@ outputs."""
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -50,7 +51,23 @@ def ours_decoder(model: Transformer, new_tokens: int, graphs: bool = False) -> C
             result = greedy_search(model, src, **limits)
         return sum(len(tokens) for tokens in result.tokens)
 
+    run.model = model  # section_decode packs its weights
     return run
+
+
+def int8_copy(model: Transformer) -> Transformer:
+    """Its own copy of the weights: packed in 8 bits apart from the float32 ones."""
+    return copy.deepcopy(model)
+
+
+def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The row of ours a peer is compared with: ours int8 for int8 peers, else the fastest of ours."""
+    if "int8" in name:
+        return next(r for r in rows if r["decoder"] == "ours int8")
+    return max(
+        (r for r in rows if r["decoder"].startswith("ours") and "int8" not in r["decoder"]),
+        key=lambda r: r["tokens_per_s"],
+    )
 
 
 def hf_decoder(model: nn.Module, new_tokens: int) -> Callable[[Tensor, int], int]:
@@ -91,6 +108,8 @@ def build_decoders(
     bf16 models on CUDA, as translate.py runs them."""
     cuda = setup.device.type == "cuda"
     decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens))}
+    if not cuda:  # translate.py precision=int8: the same weights in 8 bits (section_decode packs them)
+        decoders["ours int8"] = ("ours", ours_decoder(int8_copy(ours), args.new_tokens))
     # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that the others have warmed
     # up first (a capture that raises drops this row with a note; one that broke the CUDA context would
     # fail the section, and the benchmark reports the sections it has)
@@ -104,13 +123,16 @@ def build_decoders(
     marian = build_marian(cfg).eval()
     hf = ("marian", hf_decoder(marian, args.new_tokens))
     if "ct2" in peers:
-        compute = args.ct2_compute if cuda else "float32"
-        try:
-            worker = Ct2Process(ct2_convert(marian, workdir), setup.device.type, compute, args.threads)
-            cleanup.callback(worker.close)
-            decoders[f"CTranslate2 {compute}"] = ("ct2", ct2_decoder(worker, args.new_tokens))
-        except Exception as error:  # a peer's failure leaves it out, not the section
-            notes.append(f"CTranslate2 could not load the model on {setup.device.type}: {error!r}")
+        converted = ct2_convert(marian, workdir)
+        for compute in [args.ct2_compute] if cuda else ["float32", "int8", "int8_float32"]:
+            try:
+                worker = Ct2Process(converted, setup.device.type, compute, args.threads)
+                cleanup.callback(worker.close)
+                decoders[f"CTranslate2 {compute}"] = ("ct2", ct2_decoder(worker, args.new_tokens))
+            except Exception as error:  # a peer's failure leaves it out, not the section
+                notes.append(
+                    f"CTranslate2 {compute} could not load the model on {setup.device.type}: {error!r}"
+                )
     marian.to(setup.device, torch.bfloat16 if cuda else torch.float32)
     decoders["HF generate"] = hf
     return decoders | graphed
@@ -156,9 +178,8 @@ def bench_decode_mode(
                 "run_times_s": [s for s, _ in results],
             }
         )
-    ours = max(r["tokens_per_s"] for r in rows if r["decoder"].startswith("ours"))  # as the goals
-    for r in rows:
-        r["ours_over_this"] = ours / r["tokens_per_s"]
+    for r in rows:  # int8 rows against ours int8, the others against the fastest of ours (as the goals)
+        r["ours_over_this"] = ours_for(rows, r["decoder"])["tokens_per_s"] / r["tokens_per_s"]
     return {"beam": beam, "sentences": n, "src_len": args.src_len, "new_tokens": args.new_tokens} | {
         "rows": rows
     }
@@ -175,8 +196,14 @@ def section_decode(
     with tempfile.TemporaryDirectory() as workdir, ExitStack() as cleanup:
         decoders = build_decoders(ours, cfg, setup, peers, args, Path(workdir), notes, cleanup)
         # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on
-        # a CPU; CTranslate2 packs its own when it loads the model)
-        with torch.inference_mode(), prepacked(search_weights(ours)):
+        # a CPU; CTranslate2 packs its own when it loads the model), the int8 copy's in 8 bits
+        packed = ExitStack()
+        packed.enter_context(prepacked(search_weights(ours)))
+        if "ours int8" in decoders:
+            packed.enter_context(
+                prepacked(search_weights(decoders["ours int8"][1].model, int8=True), int8=True)
+            )
+        with torch.inference_mode(), packed:
             return {
                 "beam4": bench_decode_mode(decoders, 4, args.beam_sentences, cfg, setup, args, notes),
                 "greedy": bench_decode_mode(decoders, 1, args.greedy_sentences, cfg, setup, args, notes),

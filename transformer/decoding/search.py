@@ -86,12 +86,15 @@ def vocab_chunks(vocab: int, device: torch.device) -> list[tuple[int, int]]:
     return [(start, min(start + size, vocab)) for start in range(0, vocab, size)]
 
 
-def search_weights(model: Transformer) -> list[Tensor]:
-    """The weights a search multiplies by at every step (`kernels.prepacked` packs them once): the
-    decoder's linear maps and the output projection's chunks."""
+def search_weights(model: Transformer, int8: bool = False) -> list[Tensor | tuple[Tensor, Tensor | None]]:
+    """The weights `kernels.prepacked` packs once for a search: the decoder's linear maps (multiplied
+    by at every step) and the output projection's chunks; with `int8`, every linear map's (the
+    encoder's too) as (weight, bias), for the 8-bit products."""
     vocab = model.embed.weight
-    linears = [m.weight for m in model.decoder.modules() if isinstance(m, torch.nn.Linear)]
-    return linears + [vocab[start:end] for start, end in vocab_chunks(vocab.size(0), vocab.device)]
+    chunks = [vocab[start:end] for start, end in vocab_chunks(vocab.size(0), vocab.device)]
+    if int8:
+        return [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + chunks
+    return [m.weight for m in model.decoder.modules() if isinstance(m, torch.nn.Linear)] + chunks
 
 
 @dataclass

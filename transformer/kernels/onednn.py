@@ -10,8 +10,11 @@ the whole block instead of at every call (decoding multiplies the same weights s
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +22,39 @@ from torch import Tensor, nn
 
 from transformer.layers import FeedForward
 
+# fbgemm's int8 products: activations in 7 bits where a CPU without VNNI could saturate 16-bit sums
+REDUCE_RANGE = True
+
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
     """x (..., K) @ weight (N, K)^T + bias -> (..., N); strided (e.g. transposed) operands are fine."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
 
 
-# (data_ptr, shape, stride) of a weight -> (the weight, its version when packed, its packed copy)
-_packed: dict[tuple, tuple[Tensor, int, Tensor]] = {}
+@dataclass
+class _Packed:
+    """A weight (kept alive with its copy, so its address cannot be taken by another tensor), its version
+    when packed, and its packed form: oneDNN's blocked float32 copy, or fbgemm's int8 one with its bias."""
+
+    weight: Tensor
+    version: int
+    blocked: Tensor | None = None
+    int8: Any = None  # torch.ops.quantized.linear_prepack's result
+    bias: Tensor | None = None
+
+    def linear(self, x: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
+        if self.int8 is None:
+            return _onednn(x, self.blocked, bias, relu)
+        y = (torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic)(
+            x, self.int8, REDUCE_RANGE
+        )
+        if bias is not self.bias:  # a bias other than the one packed
+            raise ValueError("an int8-packed weight was used with another bias than it was packed with")
+        return y
+
+
+# (data_ptr, shape, stride) of a weight -> its packed form
+_packed: dict[tuple, _Packed] = {}
 
 
 def _key(weight: Tensor) -> tuple:
@@ -34,22 +62,39 @@ def _key(weight: Tensor) -> tuple:
 
 
 @contextmanager
-def prepacked(weights: Iterable[Tensor]) -> Iterator[None]:
-    """Within the block, inference-time `linear` calls use oneDNN's blocked copy of each of these
-    weights (float32 CPU ones; others are left out), made once on entry. A nested block reuses the
-    copies already made. A weight changed in place within the block is used unpacked from then on."""
+def prepacked(weights: Iterable[Tensor | tuple[Tensor, Tensor | None]], int8: bool = False) -> Iterator[None]:
+    """Within the block, inference-time `linear` calls use a packed copy of each of these weights
+    (float32 CPU ones; others are left out), made once on entry: oneDNN's blocked layout, or with
+    `int8` fbgemm's 8-bit one (weights quantized per output row, symmetric; activations per call) with
+    the bias given as (weight, bias). A nested block reuses the copies already made. A weight changed
+    in place within the block is used unpacked from then on."""
     global _packed
     outer = _packed
     _packed = dict(outer)
     try:
-        for w in weights:
+        for item in weights:
+            w, b = item if isinstance(item, tuple) else (item, None)
             key = _key(w)
-            if key not in _packed and _use_onednn(w, w):
-                # the weight is kept alive with its copy, so its address cannot be taken by another tensor
-                _packed[key] = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 128))
+            if key in _packed or not _use_onednn(w, w):
+                continue
+            if int8:
+                _packed[key] = _Packed(w, w._version, int8=_int8_pack(w.detach(), b), bias=b)
+            else:
+                blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 128)
+                _packed[key] = _Packed(w, w._version, blocked=blocked)
         yield
     finally:
         _packed = outer
+
+
+def _int8_pack(weight: Tensor, bias: Tensor | None) -> Any:
+    """fbgemm's packed int8 weight: per output row, w ~ scale * q with q in [-127, 127]."""
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
+    with warnings.catch_warnings():  # PyTorch's quantized tensors warn that torchao will replace them
+        warnings.simplefilter("ignore")
+        zero = torch.zeros_like(scale, dtype=torch.long)
+        q = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach())
 
 
 def _use_onednn(x: Tensor, weight: Tensor) -> bool:
@@ -106,8 +151,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = F
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _OneDNNLinear.apply(x, weight, bias, relu)
     packed = _packed.get(_key(weight)) if _packed else None
-    if packed is not None and packed[0]._version == packed[1]:
-        weight = packed[2]
+    if packed is not None and packed.weight._version == packed.version:
+        return packed.linear(x, bias, relu)
     return _onednn(x, weight, bias, relu)  # inference: no autograd node, no saved tensors
 
 
