@@ -296,7 +296,7 @@ def test_xavier_initialisation_is_the_same_as_before_the_schemes_existed():
         ({"n_kv_heads": 3}, "n_heads=8 must be a multiple of n_kv_heads=3"),
         ({"dropout": 1.5}, "model.dropout=1.5"),
         ({"positional": "rotary"}, "model.positional='rotary'"),
-        ({"init": "kaiming"}, "model.init='kaiming' must be one of 't2t', 'fairseq', 'xavier'"),
+        ({"init": "kaiming"}, "model.init='kaiming' must be 't2t', 'fairseq' or 'xavier'"),
     ],
 )
 def test_invalid_model_config_gives_clear_message(kwargs, message):

@@ -204,7 +204,7 @@ def test_bad_values_fail_before_any_work():
         composed("trainer.precision=fp16")
     with pytest.raises(ConfigError, match=r"finish.max_len_a must be >= 0 and finish.max_len_b >= 1"):
         composed("finish.max_len_b=0")
-    with pytest.raises(ConfigError, match=r"^precision='fp16' must be 'auto', 'fp32' or 'bf16'"):
+    with pytest.raises(ConfigError, match=r"^precision='fp16' must be 'auto', 'fp32', 'bf16' or 'int8'"):
         TranslateConfig(checkpoint="x.pt", precision="fp16")
     with pytest.raises(ConfigError, match=r"^beam_size=0 must be at least 1"):
         TranslateConfig(checkpoint="x.pt", beam_size=0)

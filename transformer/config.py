@@ -23,6 +23,12 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _one_of(values: tuple[str, ...]) -> str:
+    """The allowed values as a message reads them: "'a', 'b' or 'c'"."""
+    quoted = [repr(value) for value in values]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 INIT_SCHEMES = ("t2t", "fairseq", "xavier")
 
 
@@ -78,7 +84,7 @@ class ModelConfig:
         )
         _check(
             self.init in INIT_SCHEMES,
-            f"model.init={self.init!r} must be one of {', '.join(map(repr, INIT_SCHEMES))}",
+            f"model.init={self.init!r} must be {_one_of(INIT_SCHEMES)}",
         )
 
 
@@ -193,7 +199,7 @@ class DeviceConfig:
         )
         _check(
             self.precision in precisions,
-            f"{where}precision={self.precision!r} must be {', '.join(map(repr, precisions))}",
+            f"{where}precision={self.precision!r} must be {_one_of(precisions)}",
         )
         _check(self.threads is None or self.threads >= 1, f"{where}threads={self.threads} must be at least 1")
 
