@@ -246,12 +246,16 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
     args = overrides(corpus, tmp_path, "trainer.save_every_steps=4")
     train(compose_config([*args, "trainer.max_steps=8"]))
     newest = tmp_path / "checkpoints" / "checkpoint_8.pt"
-    newest.write_bytes(newest.read_bytes()[:5000])
+    corrupt = newest.read_bytes()[:5000]
+    newest.write_bytes(corrupt)
     with caplog.at_level(logging.WARNING):
         train(compose_config([*args, "trainer.max_steps=10"]))
     assert "checkpoint_8.pt" in caplog.text
     final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_10.pt")
     assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_10.pt"))
+    # the unusable file was set aside: rotation keeps this run's checkpoints, never it
+    aside = tmp_path / "checkpoints" / "checkpoint_8.pt.not_resumed"
+    assert aside.read_bytes() == corrupt and load_checkpoint(tmp_path / "checkpoints" / "checkpoint_8.pt")
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_with_the_status_of_the_signal(corpus, uninterrupted, tmp_path):

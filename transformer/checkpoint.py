@@ -139,17 +139,20 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 def _check_archive(path: Path) -> None:
     """torch.save writes a zip archive with a CRC-32 per entry: anything else, a file cut short, or
     bytes changed since they were written raise CheckpointError."""
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"{path} is empty (0 bytes): not a checkpoint")
-    with open(path, "rb") as file:
-        if file.read(4) != b"PK\x03\x04":
-            raise CheckpointError(f"{path} is not a checkpoint (not a file written by torch.save)")
     try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            magic = file.read(4)
+        if size == 0:
+            raise CheckpointError(f"{path} is empty (0 bytes): not a checkpoint")
+        if magic != b"PK\x03\x04":
+            raise CheckpointError(f"{path} is not a checkpoint (not a file written by torch.save)")
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()  # reads every entry and compares its CRC-32
-    except (zipfile.BadZipFile, OSError, EOFError):
+    except (zipfile.BadZipFile, EOFError):
         raise CheckpointError(f"{path} is truncated ({size:,} bytes; its end is missing)") from None
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read: {error.strerror or error}") from None
     if damaged is not None:
         raise CheckpointError(f"{path} is corrupt: {damaged} does not match the checksum written with it")
 
@@ -242,6 +245,19 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None
             "trainer.run_dir"
         )
     return None
+
+
+def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
+    """Rename the numbered checkpoints past `step` (unusable ones that resuming skipped, or later ones
+    when trainer.resume named an earlier file) to `<name>.not_resumed`, so that rotation and averaging
+    never count them; returns their new paths."""
+    moved = []
+    for path in list_checkpoints(run_dir):
+        if int(_NUMBERED.fullmatch(path.name).group(1)) > step:
+            moved.append(path.with_name(path.name + ".not_resumed"))
+            os.replace(path, moved[-1])
+            log.warning("moved %s aside to %s: this run continues from step %d", path, moved[-1].name, step)
+    return moved
 
 
 def _resumable(path: Path, problems: list[str]) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from transformer.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    set_aside_newer,
 )
 from transformer.config import ConfigError, TrainConfig, TrainerConfig
 from transformer.training.corpus import batches_forever, load_corpus
@@ -43,6 +44,8 @@ def train(cfg: TrainConfig) -> Path:
         remove_temp_files(checkpoint_dir(run_dir))  # of a save that a kill interrupted
     try:
         found = _find_resume(t, run_dir, runtime.is_main)
+        if found is not None and runtime.is_main:
+            set_aside_newer(run_dir, found[1]["step"])  # never rotated in or averaged with this run's
         corpus = load_corpus(cfg, runtime)
         run, objective = start_run(cfg, runtime, corpus.sampler, corpus.meta, corpus.spm_model)
         if found is not None:
