@@ -63,7 +63,7 @@ def main(cfg: DictConfig) -> None:
     try:
         config = from_dict(ExportConfig, OmegaConf.to_container(cfg, resolve=True))
         out = export(config)
-    except (ConfigError, CheckpointError, OSError) as error:
+    except (ConfigError, CheckpointError, OSError, ValueError, RuntimeError) as error:  # the libraries' too
         exit_with_error(error)
     print(f"wrote {out} ({config.format}{', ' + config.quantization if config.quantization else ''})")
     print("use: " + USAGE[config.format].format(out=str(out)))

@@ -194,3 +194,17 @@ def test_int8_products_are_the_8_bit_weights_times_the_input_within_the_activati
     assert ((y - expected).abs() <= bound + 1e-5).all()
     assert (y - expected).abs().max() > 0  # the activations were rounded indeed
     assert not torch.allclose(w8, w)  # and the weights
+
+
+def test_int8_packing_follows_in_place_changes_and_the_innermost_blocks_precision():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(5, 32, generator=g), torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
+    with torch.inference_mode():
+        with prepacked([(w, b)], int8=True):
+            int8 = linear(x, w, b)
+        assert not torch.allclose(int8, x @ w.T + b, atol=1e-5)  # rounded: the 8-bit path was taken
+        with prepacked([w]), prepacked([(w, b)], int8=True):  # the inner block's precision wins
+            torch.testing.assert_close(linear(x, w, b), int8)
+        with prepacked([(w, b)], int8=True):
+            b.add_(1.0)  # the packed bias changed in place: the float product, with the new bias
+            torch.testing.assert_close(linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)

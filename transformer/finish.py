@@ -41,7 +41,12 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     if f.average_last > 0:
         checkpoint = _average(run_dir, f.average_last)
     search = {name: getattr(f, name) for name in SearchConfig.__dataclass_fields__}
-    device = {"device": cfg.trainer.device, "threads": cfg.trainer.threads, "precision": f.precision}
+    int8 = f.precision == "int8"  # 8-bit products run on the CPU, whatever device trained
+    device = {
+        "device": "cpu" if int8 else cfg.trainer.device,
+        "threads": cfg.trainer.threads,
+        "precision": f.precision,
+    }
     decode = dict(checkpoint=str(checkpoint), **search, **device)
     written = [checkpoint]
     if f.evaluate_split is None and not f.examples and not f.attention_text:

@@ -80,13 +80,13 @@ class Translator:
         except (RuntimeError, ValueError, KeyError, TypeError) as error:  # mismatched weights or config
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise CheckpointError(f"{cfg.checkpoint} cannot be loaded: {first}") from None
-        model = model.to(device)  # out of the try: a device's error (out of memory) is not the file's
-        if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
-            model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding/search.py)
         if cfg.precision == "int8" and device.type != "cpu":
             raise ConfigError(
                 f"precision=int8 runs on the CPU; device={cfg.device} gives {device}: add device=cpu"
             )
+        model = model.to(device)  # out of the try: a device's error (out of memory) is not the file's
+        if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
+            model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding/search.py)
         if device.type == "cpu":
             apply_cpu_kernels(model)
         return cls(model, tokenizer, cfg, {k: ckpt.get(k) for k in ("step", "data_meta", "config")})

@@ -7,7 +7,7 @@ A cache holds, per layer, the self-attention keys and values in buffers with roo
 `limit` positions, written in place, and the encoder-decoder attention's keys and values, computed
 once per source. Two layouts, one interface:
 
-- dynamic: attention reads the positions written so far; sentences may leave the batch (`keep`);
+- dynamic: attention reads the positions written so far; sentences may leave the batch (`reorder`);
 - static: every step has the same shapes and memory, as CUDA graphs need: attention reads all `limit`
   positions, a mask hides those not yet written, and the position is a device tensor.
 """
@@ -50,7 +50,9 @@ class DecoderCache:
         """Write k, v (rows, H_kv, T, d) after the positions held; returns every position's keys and
         values so far and the mask of the new queries over them (None: all visible)."""
         t = k.size(2)
-        if self.static:  # T = 1, at the device position; the unwritten positions masked
+        if self.static:  # at the device position; the unwritten positions masked
+            if t != 1:
+                raise ValueError(f"the static layout decodes one token per step, not {t}")
             at = self.position.view(1)
             self.keys[layer].index_copy_(2, at, k)
             self.values[layer].index_copy_(2, at, v)
@@ -85,6 +87,7 @@ class DecoderCache:
             for layer in range(len(self.keys)):
                 self._reorder(layer, rows, self.keys[layer].size(2))
         else:
+            rows = rows.clone()  # the caller may reuse its tensor before the layers carry this out
             self.pending = [rows if p is None else p[rows] for p in self.pending]
         if sentences is not None:
             self.cross = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.cross]

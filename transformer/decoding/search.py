@@ -22,9 +22,9 @@ possible". The details it leaves open follow tensor2tensor, the paper's own code
 
 One loop, two ways to run it (`static`): by default done sentences leave the batch, so the others
 decode faster; with `static=True` every step has the same shapes and memory and reads nothing on the
-host (done sentences stay, their results frozen), so that on CUDA it is recorded once as a CUDA graph
-and replayed (`translate.py cuda_graphs=true`). Either way the host reads one flag per step. Scores
-are accumulated in float32, so the model may run in bfloat16.
+host (done sentences stay, their results frozen), so that on CUDA its steps are recorded as two CUDA
+graphs and replayed in turn (`translate.py cuda_graphs=true`), the host reading one "all done?" flag
+per step. Scores are accumulated in float32, so the model may run in bfloat16.
 """
 
 from __future__ import annotations
@@ -113,12 +113,12 @@ class _Beams:
     done: Tensor  # (N,) bool: the sentence's result is final
     reorder: Tensor  # (N * k,) the row each row of the last step extends (the cache's reorder)
 
-    def keep(self, sentences: Tensor, k: int) -> tuple[_Beams, Tensor]:
-        """Only `sentences` (n,) stay; also returns their rows (n * k,)."""
+    def keep(self, sentences: Tensor, k: int) -> _Beams:
+        """Only `sentences` (n,) stay, with their rows (n * k,)."""
         rows = (sentences[:, None] * k + torch.arange(k, device=sentences.device)).view(-1)  # (n * k,)
         per_row = ("last", "tokens", "reorder")
         kept = {f.name: getattr(self, f.name)[rows if f.name in per_row else sentences] for f in fields(self)}
-        return _Beams(**kept), rows
+        return _Beams(**kept)
 
 
 @torch.inference_mode()
@@ -232,7 +232,7 @@ def _leave(s: _Beams, cache: DecoderCache, results: _Results, k: int) -> _Beams 
         if bool(s.done.all()):
             return None
         sentences = (~s.done).nonzero().squeeze(1)
-        s, rows = s.keep(sentences, k)
+        s = s.keep(sentences, k)
         cache.reorder(s.reorder, sentences)
     elif k > 1:
         cache.reorder(s.reorder)

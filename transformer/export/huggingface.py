@@ -103,9 +103,8 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
 
     def reads(prefix: str, linear: torch.nn.Module, rows: slice = slice(None)) -> None:  # in: the residual
         state[f"{prefix}.weight"] = linear.weight[rows][:, p]
-        state[f"{prefix}.bias"] = (
-            linear.bias if linear.bias is not None else torch.zeros(linear.weight[rows].size(0))
-        )
+        bias = linear.bias if linear.bias is not None else torch.zeros(linear.weight.size(0))
+        state[f"{prefix}.bias"] = bias[rows]
 
     def writes(prefix: str, linear: torch.nn.Module) -> None:  # out: the residual
         state[f"{prefix}.weight"] = linear.weight[p]

@@ -4,7 +4,8 @@ else (CUDA, other dtypes, autocast, torch.compile, `torch.backends.mkldnn.enable
 `F.linear` itself. `relu=True` applies max(0, .) inside the same call.
 
 Inside `prepacked(weights)`, each of those weights is copied into oneDNN's blocked layout once for
-the whole block instead of at every call (decoding multiplies the same weights step after step).
+the whole block instead of at every call (decoding multiplies the same weights step after step); with
+`int8=True`, into fbgemm's 8-bit layout instead (translate.py precision=int8).
 `OneDNNLinear` and `OneDNNFeedForward` are the module swaps of `transformer.kernels.apply_cpu_kernels`.
 """
 
@@ -24,6 +25,7 @@ from transformer.layers import FeedForward
 
 # fbgemm's int8 products: activations in 7 bits where a CPU without VNNI could saturate 16-bit sums
 REDUCE_RANGE = True
+INT8_ENGINES = {"fbgemm", "x86"}
 
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
@@ -41,16 +43,21 @@ class _Packed:
     blocked: Tensor | None = None
     int8: Any = None  # torch.ops.quantized.linear_prepack's result
     bias: Tensor | None = None
+    bias_version: int = 0
+
+    def current(self) -> bool:
+        """Neither the weight nor the packed bias changed in place since packing."""
+        return self.weight._version == self.version and (
+            self.bias is None or self.bias._version == self.bias_version
+        )
 
     def linear(self, x: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
         if self.int8 is None:
             return _onednn(x, self.blocked, bias, relu)
-        y = (torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic)(
-            x, self.int8, REDUCE_RANGE
-        )
-        if bias is not self.bias:  # a bias other than the one packed
+        if bias is not self.bias:
             raise ValueError("an int8-packed weight was used with another bias than it was packed with")
-        return y
+        product = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
+        return product(x, self.int8, REDUCE_RANGE)
 
 
 # (data_ptr, shape, stride) of a weight -> its packed form
@@ -75,11 +82,20 @@ def prepacked(weights: Iterable[Tensor | tuple[Tensor, Tensor | None]], int8: bo
         for item in weights:
             w, b = item if isinstance(item, tuple) else (item, None)
             key = _key(w)
-            if key in _packed or not _use_onednn(w, w):
-                continue
+            if key in _packed and (_packed[key].int8 is not None) == int8:
+                continue  # packed already, in this precision, by an outer block
             if int8:
-                _packed[key] = _Packed(w, w._version, int8=_int8_pack(w.detach(), b), bias=b)
-            else:
+                if not _plain_cpu_float32(w, w) or not INT8_ENGINES & set(
+                    torch.backends.quantized.supported_engines
+                ):
+                    raise ValueError(
+                        "int8 products need a float32 CPU weight and PyTorch's fbgemm (x86) engine"
+                    )
+                bias_version = 0 if b is None else b._version
+                _packed[key] = _Packed(
+                    w, w._version, int8=_int8_pack(w.detach(), b), bias=b, bias_version=bias_version
+                )
+            elif _use_onednn(w, w):
                 blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 128)
                 _packed[key] = _Packed(w, w._version, blocked=blocked)
         yield
@@ -97,14 +113,20 @@ def _int8_pack(weight: Tensor, bias: Tensor | None) -> Any:
         return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach())
 
 
-def _use_onednn(x: Tensor, weight: Tensor) -> bool:
+def _plain_cpu_float32(x: Tensor, weight: Tensor) -> bool:
     return (
         not torch.compiler.is_compiling()  # inductor picks its own CPU kernels (and first: no graph break)
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")  # autocast multiplies in bf16 (or fp16) instead
+    )
+
+
+def _use_onednn(x: Tensor, weight: Tensor) -> bool:
+    return (
+        _plain_cpu_float32(x, weight)
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
-        and not torch.is_autocast_enabled("cpu")  # autocast multiplies in bf16 (or fp16) instead
     )
 
 
@@ -145,14 +167,15 @@ def weight_grad(grad_y: Tensor, x: Tensor) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
     """x (..., K), weight (N, K), bias (N,) -> x W^T + b (..., N), or max(0, x W^T + b) with relu."""
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    packed = _packed.get(_key(weight)) if _packed and not grads else None
+    if packed is not None and packed.current() and _plain_cpu_float32(x, weight):
+        return packed.linear(x, bias, relu)
     if not _use_onednn(x, weight):
         y = F.linear(x, weight, bias)
         return F.relu(y) if relu else y
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+    if grads:
         return _OneDNNLinear.apply(x, weight, bias, relu)
-    packed = _packed.get(_key(weight)) if _packed else None
-    if packed is not None and packed.weight._version == packed.version:
-        return packed.linear(x, bias, relu)
     return _onednn(x, weight, bias, relu)  # inference: no autograd node, no saved tensors
 
 
