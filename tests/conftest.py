@@ -31,7 +31,14 @@ def make_tiny_checkpoint(path: Path, max_positions: int = 128, seed: int = 0) ->
     spm_model = train_tokenizer(TINY_SENTENCES, vocab_size=80)
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        vocab_size=80, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0, max_positions=max_positions
+        vocab_size=80,
+        d_model=32,
+        n_heads=4,
+        d_ff=64,
+        n_layers=2,
+        dropout=0.0,
+        max_positions=max_positions,
+        init="xavier",  # the scale the tests that scale these weights were written for
     )
     ckpt = {
         "format": FORMAT,
@@ -71,7 +78,14 @@ def tiny_model(
     scale a random decoder mostly repeats one token, and every search finds the same output)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        vocab_size=vocab, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0, max_positions=max_positions
+        vocab_size=vocab,
+        d_model=32,
+        n_heads=4,
+        d_ff=64,
+        n_layers=2,
+        dropout=0.0,
+        max_positions=max_positions,
+        init="xavier",  # the scale the factors below were chosen for
     )
     model = Transformer(cfg).eval()
     with torch.no_grad():

@@ -187,9 +187,9 @@ def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(
 def test_the_checkpoint_records_the_initialisation_scheme(corpus, uninterrupted, tmp_path):
     default = load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_1.pt")
     assert default["model_config"]["init"] == ModelConfig().init
-    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=1", "model.init=fairseq")))
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=1", "model.init=t2t")))
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_1.pt")
-    assert ckpt["model_config"]["init"] == ckpt["config"]["model"]["init"] == "fairseq"
+    assert ckpt["model_config"]["init"] == ckpt["config"]["model"]["init"] == "t2t" != ModelConfig().init
 
 
 def test_pairs_longer_than_the_positional_table_fail_before_the_first_step(corpus, tmp_path):
