@@ -18,6 +18,7 @@ from transformer.config import ConfigError, ModelConfig, ToyConfig, TranslateCon
 from transformer.data import toy
 from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from transformer.decoding import greedy_search
+from transformer.export.ctranslate2 import export_ctranslate2
 from transformer.export.huggingface import export_huggingface
 from transformer.translation import Translator
 
@@ -101,6 +102,18 @@ def test_a_model_marian_cannot_hold_is_refused_by_its_setting(tmp_path, change, 
     with pytest.raises(ConfigError, match=f"cannot be a MarianMTModel: {setting}"):
         export_huggingface(Transformer(cfg), b"", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_mixture_of_experts_is_refused_by_both_formats(tmp_path):
+    from transformer.model import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=80, d_model=32, n_heads=4, d_ff=64, n_layers=1, moe_experts=4))
+    with pytest.raises(ConfigError, match="MarianMTModel has no mixture of experts: model.moe_experts=4"):
+        export_huggingface(model, b"", tmp_path / "hf")
+    pytest.importorskip("ctranslate2")
+    with pytest.raises(ConfigError, match="CTranslate2's Transformer has no mixture of experts"):
+        export_ctranslate2(model, b"", tmp_path / "ct2", None)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "ct2").exists()
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

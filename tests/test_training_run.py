@@ -192,6 +192,31 @@ def test_the_checkpoint_records_the_initialisation_scheme(corpus, uninterrupted,
     assert ckpt["model_config"]["init"] == ckpt["config"]["model"]["init"] == "t2t" != ModelConfig().init
 
 
+def test_a_mixture_of_experts_run_resumes_exactly_averages_and_translates(corpus, tmp_path):
+    moe = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity=1.0", "trainer.save_every_steps=3"]
+    whole = overrides(corpus, tmp_path / "whole", *moe, "trainer.max_steps=6")
+    train(compose_config(whole))
+    parts = overrides(corpus, tmp_path / "parts", *moe)
+    train(compose_config([*parts, "trainer.max_steps=3"]))
+    train(compose_config([*parts, "trainer.max_steps=6"]))
+    final = load_checkpoint(tmp_path / "parts" / "checkpoints" / "checkpoint_6.pt")
+    assert_same_state(final, load_checkpoint(tmp_path / "whole" / "checkpoints" / "checkpoint_6.pt"))
+    assert "encoder.1.ffn.experts.3.w_2.weight" in final["model"]
+    assert final["model_config"]["moe_experts"] == 4
+    averaged = tmp_path / "average.pt"
+    atomic_save(average_checkpoints(list_checkpoints(tmp_path / "parts")), averaged)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "translate.py"), f"checkpoint={averaged}", "device=cpu"],
+        input="the cat sees a dog\n\nthe red house\n",
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 3  # one line out per line in
+
+
 def test_pairs_longer_than_the_positional_table_fail_before_the_first_step(corpus, tmp_path):
     args = overrides(corpus, tmp_path, "trainer.max_steps=2", "trainer.pad_to_multiple=8")
     prepare(compose_config(args).data)

@@ -53,6 +53,11 @@ class ModelConfig:
     # Initialisation (the paper states none): "fairseq" | "t2t" | "xavier" (`Transformer.reset_parameters`);
     # fairseq's trains the paper's post-LN fastest at both sizes measured (docs/results.md, "Initialisation")
     init: str = "fairseq"
+    # Mixture-of-experts feed-forward networks (transformer/moe.py; GShard, Switch Transformer)
+    moe_experts: int = 0  # experts per layer (0 = one dense FFN per layer, the paper)
+    moe_top_k: int = 2  # experts per token
+    moe_capacity: float = 1.25  # in training, each expert takes at most capacity * tokens * top_k / experts
+    moe_aux_loss: float = 0.01  # weight of the load-balancing loss in the training objective
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
@@ -87,6 +92,15 @@ class ModelConfig:
             self.init in INIT_SCHEMES,
             f"model.init={self.init!r} must be {_one_of(INIT_SCHEMES)}",
         )
+        if self.moe_experts:
+            experts = self.moe_experts
+            _check(experts >= 2, f"model.moe_experts={experts} must be 0 (dense) or at least 2")
+            _check(
+                1 <= self.moe_top_k <= experts,
+                f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts={experts}",
+            )
+            _check(self.moe_capacity > 0, f"model.moe_capacity={self.moe_capacity} must be positive")
+            _check(self.moe_aux_loss >= 0, f"model.moe_aux_loss={self.moe_aux_loss} must be >= 0")
 
 
 @dataclass

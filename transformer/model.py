@@ -18,6 +18,7 @@ from transformer.attention import MultiHeadAttention
 from transformer.config import ModelConfig
 from transformer.data.tokenizer import PAD_ID
 from transformer.layers import DecoderLayer, Embeddings, EncoderLayer, FeedForward
+from transformer.moe import use_mixture_of_experts
 
 
 class Transformer(nn.Module):
@@ -30,6 +31,8 @@ class Transformer(nn.Module):
         # Pre-LN leaves the last residual stream un-normalized; post-LN (the paper) already ends in LayerNorm.
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        if cfg.moe_experts:  # a deviation: mixtures of experts for the feed-forward networks
+            use_mixture_of_experts(self, cfg)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

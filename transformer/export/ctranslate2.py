@@ -29,6 +29,9 @@ def export_ctranslate2(model: Transformer, spm_model: bytes, out: Path, quantiza
         raise ConfigError(f"quantization={quantization} must be one of {', '.join(QUANTIZATIONS)} or null")
     if model.cfg.d_k != model.cfg.d_v:
         raise ConfigError(f"CTranslate2 has one head size: model.d_k={model.cfg.d_k} != d_v={model.cfg.d_v}")
+    if model.cfg.moe_experts:
+        experts = model.cfg.moe_experts
+        raise ConfigError(f"CTranslate2's Transformer has no mixture of experts: model.moe_experts={experts}")
 
     class CheckpointConverter(Converter):
         def _load(self) -> Any:

@@ -74,6 +74,8 @@ def export_huggingface(model: Transformer, spm_model: bytes, out: Path) -> Path:
 
 def _check_representable(model: Transformer) -> None:
     cfg = model.cfg
+    if cfg.moe_experts:
+        raise ConfigError(f"MarianMTModel has no mixture of experts: model.moe_experts={cfg.moe_experts}")
     refusals = {
         "model.norm_first=true: MarianMTModel is post-LN": cfg.norm_first,
         "model.positional=learned: MarianMTModel's positions are sinusoidal": cfg.positional == "learned",

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from transformer.data.tokenizer import PAD_ID
 from transformer.kernels.onednn import linear, weight_grad
 from transformer.model import Transformer
+from transformer.moe import auxiliary_loss
 
 CHUNK_ROWS = 4096  # target tokens whose logits exist at once; bounds the loss's memory
 
@@ -132,10 +133,14 @@ class Seq2SeqLoss(nn.Module):
         src_mask = model.src_mask(src)
         states = model.decoder_states(tgt_in, model.encode(src, src_mask), src_mask)  # (B, T, d_model)
         # the pre-softmax projection (§3.4) happens inside the loss, a chunk of rows at a time
-        return smoothed_cross_entropy(
+        loss, nll = smoothed_cross_entropy(
             states.reshape(-1, states.size(-1)),  # (B * T, d_model)
             model.embed.weight,  # (V, d_model)
             tgt_out.reshape(-1),
             self.label_smoothing,
             PAD_ID,
         )
+        aux = auxiliary_loss(model) if self.training else None  # mixtures of experts only
+        if aux is not None:  # per target token, as the loss sum is divided by the step's target tokens
+            loss = loss + model.cfg.moe_aux_loss * aux * (tgt_out != PAD_ID).sum()
+        return loss, nll
