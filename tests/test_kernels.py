@@ -70,6 +70,16 @@ def test_other_dtypes_and_the_global_switch_fall_back_to_f_linear():
     assert type(y.grad_fn).__name__ != "_OneDNNLinearBackward"
 
 
+def test_no_rows_give_no_rows_and_zero_weight_gradients():
+    """An expert no token chose multiplies no rows, and must still give its weights a gradient."""
+    x, w = torch.randn(0, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    y = linear(x, w, b, relu=True)
+    assert y.shape == (0, 3)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(3, 8)) and torch.equal(b.grad, torch.zeros(3))
+
+
 def test_module_keeps_nn_linear_parameters_and_keys():
     layer = OneDNNLinear(8, 3)
     assert isinstance(layer, torch.nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
@@ -150,7 +160,9 @@ def test_dropout_zeroes_each_unit_with_probability_p_and_scales_the_rest(dropout
     assert torch.equal(drop.eval()(x), x) and torch.equal(dropout(0.0)(x), x)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"norm_first": True, "n_kv_heads": 2}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"norm_first": True, "n_kv_heads": 2}, {"moe_experts": 16, "moe_top_k": 1}]
+)
 def test_the_cpu_kernels_keep_the_parameters_keys_outputs_and_gradients(overrides):
     cfg = ModelConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.1, **overrides)
     torch.manual_seed(0)

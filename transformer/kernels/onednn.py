@@ -119,6 +119,7 @@ def _plain_cpu_float32(x: Tensor, weight: Tensor) -> bool:
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")  # autocast multiplies in bf16 (or fp16) instead
+        and x.numel() > 0  # oneDNN has no primitive for no rows (an expert no token chose)
     )
 
 
