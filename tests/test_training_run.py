@@ -194,6 +194,7 @@ def test_the_checkpoint_records_the_initialisation_scheme(corpus, uninterrupted,
 
 def test_a_mixture_of_experts_run_resumes_exactly_averages_and_translates(corpus, tmp_path):
     moe = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity=1.0", "trainer.save_every_steps=3"]
+    moe.append("trainer.log_every_steps=1")
     whole = overrides(corpus, tmp_path / "whole", *moe, "trainer.max_steps=6")
     train(compose_config(whole))
     parts = overrides(corpus, tmp_path / "parts", *moe)
@@ -203,6 +204,8 @@ def test_a_mixture_of_experts_run_resumes_exactly_averages_and_translates(corpus
     assert_same_state(final, load_checkpoint(tmp_path / "whole" / "checkpoints" / "checkpoint_6.pt"))
     assert "encoder.1.ffn.experts.3.w_2.weight" in final["model"]
     assert final["model_config"]["moe_experts"] == 4
+    dropped = tensorboard_scalars(tmp_path / "whole", "train/moe_dropped")  # capacity 1.0 drops some
+    assert dropped and all(0 <= d < 1 for d in dropped) and max(dropped) > 0
     averaged = tmp_path / "average.pt"
     atomic_save(average_checkpoints(list_checkpoints(tmp_path / "parts")), averaged)
     done = subprocess.run(

@@ -77,6 +77,15 @@ def use_mixture_of_experts(model: nn.Module, cfg: ModelConfig) -> None:
         layer.ffn = MixtureOfExperts(cfg.d_model, cfg.d_ff, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity)
 
 
+def dropped_fraction(model: nn.Module) -> Tensor:
+    """The share of assignments past capacity in the last training forward, over every layer (0 without
+    experts): a device scalar, read with the step's other figures."""
+    mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts) and m.dropped is not None]
+    if not mixtures:
+        return torch.zeros(())
+    return torch.stack([m.dropped for m in mixtures]).sum() / sum(m.assignments for m in mixtures)
+
+
 def auxiliary_loss(model: nn.Module) -> Tensor | None:
     """The sum of the layers' load-balancing losses of the last training forward; None without experts."""
     mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]

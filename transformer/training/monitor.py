@@ -98,11 +98,13 @@ class Monitor:
         self.close()
 
     def step(self, step: int, stats: dict[str, float]) -> None:
-        """One optimizer step: loss and nll per target token, tokens (target), lr, grad_norm, flops."""
+        """One optimizer step: loss and nll per target token, tokens (target), lr, grad_norm, flops; with
+        mixtures of experts, moe_dropped (the share of assignments past capacity)."""
         now = time.perf_counter()
         seconds, self._last_time = now - self._last_time, now
-        for key in ("loss", "nll", "tokens", "lr", "grad_norm", "flops"):
-            self._sums[key] = self._sums.get(key, 0.0) + stats[key]
+        for key in ("loss", "nll", "tokens", "lr", "grad_norm", "flops", "moe_dropped"):
+            if key in stats:
+                self._sums[key] = self._sums.get(key, 0.0) + stats[key]
         self._sums["seconds"] = self._sums.get("seconds", 0.0) + seconds
         self._sums["steps"] = self._sums.get("steps", 0.0) + 1
         if not self.enabled:
@@ -127,6 +129,8 @@ class Monitor:
             "train/grad_norm": sums["grad_norm"] / steps,
             "train/tokens_per_s": sums["tokens"] / seconds,  # target tokens, all ranks together
         }
+        if "moe_dropped" in sums:
+            scalars["train/moe_dropped"] = sums["moe_dropped"] / steps
         if self.peak_flops:  # this rank's model FLOP/s against its card's dense bf16 peak
             scalars["train/mfu"] = sums["flops"] / seconds / self.peak_flops
         if self.device.type == "cuda":  # the allocator's own count: no wait for the device
