@@ -13,8 +13,11 @@ from transformer.training import monitor
 from transformer.training.loss import Seq2SeqLoss
 from transformer.visualize import record_attention
 
+# the mixture: capacity for every assignment, so that each token runs its k experts
+MIXTURE = {"moe_experts": 4, "moe_top_k": 2, "moe_capacity": 2.0}
 
-@pytest.mark.parametrize("shape", [{}, {"n_kv_heads": 2}, {"d_k": 16, "d_v": 8}])
+
+@pytest.mark.parametrize("shape", [{}, {"n_kv_heads": 2}, {"d_k": 16, "d_v": 8}, MIXTURE])
 def test_train_flops_match_the_counted_matmuls_of_forward_and_backward(shape):
     cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, d_ff=64, n_layers=2, **shape)
     objective = Seq2SeqLoss(Transformer(cfg), 0.1)

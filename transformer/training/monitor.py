@@ -51,6 +51,8 @@ def train_flops(cfg: ModelConfig, batch: int, src_len: int, tgt_len: int) -> flo
     q_width, k_width, v_width = h * cfg.d_k, kv * cfg.d_k, kv * cfg.d_v
     self_attn = d * (q_width + k_width + v_width) + h * cfg.d_v * d  # W^Q, W^K, W^V, W^O
     ffn = 2 * d * cfg.d_ff
+    if cfg.moe_experts:  # k experts per token, and the router (capacity drops not subtracted)
+        ffn = cfg.moe_top_k * ffn + d * cfg.moe_experts
     src_tokens, tgt_tokens = batch * src_len, batch * tgt_len
     encoder = src_tokens * (self_attn + ffn)
     cross = tgt_tokens * (d * q_width + h * cfg.d_v * d) + src_tokens * d * (k_width + v_width)
