@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from transformer.config import ModelConfig
 from transformer.data.tokenizer import PAD_ID
+from transformer.export import huggingface
 from transformer.layers import sinusoidal_table
 from transformer.model import Transformer
 from transformer.training.loss import Seq2SeqLoss
@@ -89,27 +90,13 @@ def marian_config(cfg: ModelConfig) -> Any:
     """A MarianConfig of the same dims: post-LN, ReLU, sinusoidal positions, x sqrt(d_model), one shared
     embedding. Marian's own ids: eos 0, unk 1, pad (and decoder start) V - 1; it adds biases the paper's
     attention has not."""
-    from transformers import MarianConfig
-
     v = cfg.vocab_size
-    return MarianConfig(
-        vocab_size=v,
+    return huggingface.marian_config(
+        cfg,
         decoder_vocab_size=v,
-        d_model=cfg.d_model,
-        encoder_layers=cfg.n_layers,
-        decoder_layers=cfg.n_layers,
-        encoder_attention_heads=cfg.n_heads,
-        decoder_attention_heads=cfg.n_heads,
-        encoder_ffn_dim=cfg.d_ff,
-        decoder_ffn_dim=cfg.d_ff,
-        activation_function="relu",
-        dropout=cfg.dropout,
+        dropout=cfg.dropout,  # where the paper drops out; not in attention or the FFN
         attention_dropout=0.0,
         activation_dropout=0.0,
-        max_position_embeddings=cfg.max_positions,
-        scale_embedding=True,
-        share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True,
         pad_token_id=v - 1,
         eos_token_id=0,
         decoder_start_token_id=v - 1,

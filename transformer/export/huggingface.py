@@ -13,22 +13,22 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from transformer.config import ConfigError
+from transformer.config import ConfigError, ModelConfig
 from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer.model import Transformer
 
 
-def export_huggingface(model: Transformer, spm_model: bytes, out: Path) -> Path:
-    """Write the MarianMTModel of `model` and its tokenizer to `out`; returns `out`."""
-    from transformers import GenerationConfig, MarianConfig, MarianMTModel, MarianTokenizer
+def marian_config(cfg: ModelConfig, **overrides: Any) -> Any:
+    """A MarianConfig of the model's dims: post-LN, ReLU, sinusoidal positions, x sqrt(d_model) (§3.4),
+    one shared embedding matrix; this project's token ids unless `overrides` says otherwise."""
+    from transformers import MarianConfig
 
-    cfg = model.cfg
-    _check_representable(model)
-    config = MarianConfig(
+    settings = dict(
         vocab_size=cfg.vocab_size,
         d_model=cfg.d_model,
         encoder_layers=cfg.n_layers,
@@ -39,7 +39,7 @@ def export_huggingface(model: Transformer, spm_model: bytes, out: Path) -> Path:
         decoder_ffn_dim=cfg.d_ff,
         activation_function="relu",
         max_position_embeddings=cfg.max_positions,
-        scale_embedding=True,  # x sqrt(d_model), §3.4
+        scale_embedding=True,
         share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True,
         pad_token_id=PAD_ID,
@@ -47,7 +47,16 @@ def export_huggingface(model: Transformer, spm_model: bytes, out: Path) -> Path:
         decoder_start_token_id=BOS_ID,
         forced_eos_token_id=EOS_ID,
     )
-    marian = MarianMTModel(config).eval()
+    return MarianConfig(**{**settings, **overrides})
+
+
+def export_huggingface(model: Transformer, spm_model: bytes, out: Path) -> Path:
+    """Write the MarianMTModel of `model` and its tokenizer to `out`; returns `out`."""
+    from transformers import GenerationConfig, MarianMTModel, MarianTokenizer
+
+    cfg = model.cfg
+    _check_representable(model)
+    marian = MarianMTModel(marian_config(cfg)).eval()
     missing, unexpected = marian.load_state_dict(marian_state_dict(model), strict=False)
     left = [k for k in missing if not k.endswith("embed_positions.weight")]  # Marian makes its own sinusoids
     if left or unexpected:
