@@ -26,20 +26,26 @@ TINY_SENTENCES = [
 ]
 
 
-def make_tiny_checkpoint(path: Path, max_positions: int = 128, seed: int = 0) -> Path:
-    """An untrained tiny Transformer with a real SentencePiece tokenizer, in the checkpoint format."""
-    spm_model = train_tokenizer(TINY_SENTENCES, vocab_size=80)
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=80,
+def tiny_config(vocab: int, max_positions: int) -> ModelConfig:
+    """2+2 layers, d_model 32, no dropout, in the Xavier scale the tests that scale its weights were
+    written for."""
+    return ModelConfig(
+        vocab_size=vocab,
         d_model=32,
         n_heads=4,
         d_ff=64,
         n_layers=2,
         dropout=0.0,
         max_positions=max_positions,
-        init="xavier",  # the scale the tests that scale these weights were written for
+        init="xavier",
     )
+
+
+def make_tiny_checkpoint(path: Path, max_positions: int = 128, seed: int = 0) -> Path:
+    """An untrained tiny Transformer with a real SentencePiece tokenizer, in the checkpoint format."""
+    spm_model = train_tokenizer(TINY_SENTENCES, vocab_size=80)
+    torch.manual_seed(seed)
+    cfg = tiny_config(80, max_positions)
     ckpt = {
         "format": FORMAT,
         "model": Transformer(cfg).state_dict(),
@@ -77,17 +83,7 @@ def tiny_model(
     """Random weights, scaled up so that next-token distributions depend on the context (at the init's
     scale a random decoder mostly repeats one token, and every search finds the same output)."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=vocab,
-        d_model=32,
-        n_heads=4,
-        d_ff=64,
-        n_layers=2,
-        dropout=0.0,
-        max_positions=max_positions,
-        init="xavier",  # the scale the factors below were chosen for
-    )
-    model = Transformer(cfg).eval()
+    model = Transformer(tiny_config(vocab, max_positions)).eval()
     with torch.no_grad():
         model.embed.tokens.weight.mul_(2.0)
         for layer in model.decoder:
