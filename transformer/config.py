@@ -51,7 +51,7 @@ class ModelConfig:
     attention_dropout: float = 0.0  # dropout on attention weights; the paper has none
     max_positions: int = 1024  # longest sequence the positional table covers
     # Initialisation (the paper states none): "fairseq" | "t2t" | "xavier" (`Transformer.reset_parameters`);
-    # fairseq's trains the paper's post-LN fastest at both sizes measured (docs/results.md, "Initialisation")
+    # fairseq's trains the paper's post-LN fastest (docs/results.md, "Initialisation")
     init: str = "fairseq"
     # Mixture-of-experts feed-forward networks (transformer/moe.py; GShard, Switch Transformer)
     moe_experts: int = 0  # experts per layer (0 = one dense FFN per layer, the paper)
