@@ -78,11 +78,9 @@ def use_mixture_of_experts(model: nn.Module, cfg: ModelConfig) -> None:
 
 
 def dropped_fraction(model: nn.Module) -> Tensor:
-    """The share of assignments past capacity in the last training forward, over every layer (0 without
-    experts): a device scalar, read with the step's other figures."""
+    """The share of assignments past capacity in the last training forward, over every layer: a device
+    scalar, read with the step's other figures."""
     mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts) and m.dropped is not None]
-    if not mixtures:
-        return torch.zeros(())
     return torch.stack([m.dropped for m in mixtures]).sum() / sum(m.assignments for m in mixtures)
 
 

@@ -140,7 +140,6 @@ class Seq2SeqLoss(nn.Module):
             self.label_smoothing,
             PAD_ID,
         )
-        aux = auxiliary_loss(model) if self.training else None  # mixtures of experts only
-        if aux is not None:  # per target token, as the loss sum is divided by the step's target tokens
-            loss = loss + model.cfg.moe_aux_loss * aux * (tgt_out != PAD_ID).sum()
+        if self.training and model.cfg.moe_experts:  # the load-balancing loss, weighted per target token
+            loss = loss + model.cfg.moe_aux_loss * auxiliary_loss(model) * (tgt_out != PAD_ID).sum()
         return loss, nll

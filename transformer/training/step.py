@@ -36,20 +36,22 @@ def queue_step(run: Run, objective: nn.Module, micro: list[Batch], flags: list[f
     they were). Sums over the ranks are collectives on the device too.
 
     flags: this rank's stop and save requests. Returns the device tensor [loss sum, NLL sum, target
-    tokens, stop, save, gradient norm, share of expert assignments dropped (this rank's last batch; 0
-    when dense)], the sums and counts over all ranks, which `finish_step` reads.
+    tokens, stop, save, gradient norm, and with mixtures of experts the share of assignments dropped],
+    the sums and counts over all ranks, which `finish_step` reads.
     """
     runtime = run.runtime
     local = torch.tensor([float(sum(b.n_tgt_tokens for b in micro)), *flags], dtype=torch.float64)
     counts = all_reduce_sum_tensor(local.to(runtime.device, non_blocking=True), runtime)  # (3,)
     sums = accumulate(objective, micro, runtime, counts[0], run.cfg.trainer.max_tokens)  # (2,)
-    dropped = dropped_fraction(run.model).to(runtime.device, torch.float64)  # of its last batch; 0 if dense
     norm = grad_norm(run.model, run.cfg.optim.clip_grad_norm)  # () of the ranks' summed gradients
     sums = all_reduce_sum_tensor(sums.double(), runtime)
     run.optimizer.found_inf = (~(sums[0].isfinite() & norm.isfinite())).float()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return torch.cat([sums, counts, norm.double()[None], dropped[None]])
+    figures = [sums, counts, norm.double()[None]]
+    if run.cfg.model.moe_experts:  # this rank's last batch
+        figures.append(dropped_fraction(run.model).to(runtime.device, torch.float64)[None])
+    return torch.cat(figures)
 
 
 def finish_step(run: Run, queued: Tensor, micro: list[Batch]) -> tuple[dict[str, Any], bool, bool]:
@@ -58,7 +60,7 @@ def finish_step(run: Run, queued: Tensor, micro: list[Batch]) -> tuple[dict[str,
 
     Returns the step's statistics (per target token) and whether any rank wants to stop or to save.
     """
-    loss_sum, nll_sum, n_tokens, stop, save_due, norm, dropped = queued.tolist()
+    loss_sum, nll_sum, n_tokens, stop, save_due, norm, *dropped = queued.tolist()
     lr = run.optimizer.param_groups[0]["lr"]  # the rate of this step's update
     finite = math.isfinite(loss_sum) and math.isfinite(norm)
     if finite:
@@ -73,8 +75,8 @@ def finish_step(run: Run, queued: Tensor, micro: list[Batch]) -> tuple[dict[str,
         "grad_norm": norm,
         "flops": sum(train_flops(run.cfg.model, *b.src.shape, b.tgt_in.size(1)) for b in micro),
     }
-    if run.cfg.model.moe_experts:
-        stats["moe_dropped"] = dropped
+    if dropped:
+        stats["moe_dropped"] = dropped[0]
     return stats, stop > 0, save_due > 0
 
 
