@@ -179,7 +179,7 @@ def section_moe(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
-            return sum(m.dropped.item() / m.assignments for m in mixtures) / max(len(mixtures), 1)
+            return sum((m.dropped / m.assignments).item() for m in mixtures) / max(len(mixtures), 1)
 
         step(0)  # warm-up: Adam's state, the kernels' first calls
         runs[name] = step

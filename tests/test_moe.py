@@ -2,10 +2,12 @@
 explicit loop over tokens: routing, combination weights, capacity drops, the load-balancing loss and
 its gradient."""
 
+import copy
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformer.config import ConfigError, ModelConfig
 from transformer.model import Transformer
@@ -22,18 +24,20 @@ def ffn(expert, x):
     return torch.clamp(x @ w_1.T + b_1, min=0) @ w_2.T + b_2
 
 
-def reference(moe: MixtureOfExperts, x: torch.Tensor, capacity: int | None):
+def reference(moe: MixtureOfExperts, x: torch.Tensor, capacity: int | None, real: torch.Tensor | None = None):
     """One token at a time: each token's k best experts; the first choices of all tokens claim places
-    before any second choice; an expert past `capacity` drops the assignment."""
+    before any second choice; an expert past `capacity` drops the assignment. Padding (`real` False)
+    is skipped: no place, no output, no share of f_e and P_e."""
     tokens = x.reshape(-1, x.size(-1)).double()
     n, n_experts, k = tokens.size(0), len(moe.experts), moe.top_k
+    padded = set() if real is None else {t for t, r in enumerate(real.reshape(-1).tolist()) if not r}
     logits = tokens @ moe.router.weight.double().T
     probs = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in logits.tolist()]
     ranked = [sorted(range(n_experts), key=lambda e, p=p: -p[e])[:k] for p in probs]
     load, dropped = [0] * n_experts, 0
     out = torch.zeros_like(tokens)
     for choice in range(k):
-        for t in range(n):
+        for t in (t for t in range(n) if t not in padded):
             e = ranked[t][choice]
             total = sum(probs[t][c] for c in ranked[t])
             weight = probs[t][e] / total if k > 1 else probs[t][e]
@@ -42,8 +46,9 @@ def reference(moe: MixtureOfExperts, x: torch.Tensor, capacity: int | None):
                 continue
             load[e] += 1
             out[t] += weight * ffn(moe.experts[e], tokens[t])
-    first = [sum(ranked[t][0] == e for t in range(n)) / n for e in range(n_experts)]
-    mean_prob = [sum(probs[t][e] for t in range(n)) / n for e in range(n_experts)]
+    counted = [t for t in range(n) if t not in padded]
+    first = [sum(ranked[t][0] == e for t in counted) / len(counted) for e in range(n_experts)]
+    mean_prob = [sum(probs[t][e] for t in counted) / len(counted) for e in range(n_experts)]
     aux = n_experts * sum(f * p for f, p in zip(first, mean_prob))
     return out.view(x.shape), dropped, aux, probs, first
 
@@ -64,9 +69,57 @@ def test_training_forward_routes_combines_and_drops_as_the_token_loop(experts, t
     limit = math.ceil(capacity * x.shape[0] * x.shape[1] * top_k / experts)
     expected, dropped, aux, _, _ = reference(moe, x, limit)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    assert moe.dropped.item() == dropped and moe.assignments == 21 * top_k
+    assert moe.dropped.item() == dropped and moe.assignments.item() == 21 * top_k
     assert (dropped > 0) == (capacity < 4.0)  # the small capacities drop, the large one never does
     assert moe.aux_loss.item() == pytest.approx(aux, rel=1e-5)
+
+
+def test_padding_takes_no_place_and_no_share_of_the_load():
+    """Padded positions get no expert and add nothing; the capacity is reckoned on the 13 real tokens."""
+    moe, x = mixture(capacity=0.5)
+    real = torch.ones(3, 7, dtype=torch.bool)
+    real[0, 4:], real[2, 2:] = False, False  # 13 real tokens of 21
+    moe.real = real
+    moe.train()
+    out = moe(x)
+    expected, dropped, aux, _, _ = reference(moe, x, math.ceil(0.5 * 13 * 2 / 4), real)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert out[~real].abs().max() == 0
+    assert moe.dropped.item() == dropped and moe.assignments.item() == 13 * 2
+    assert moe.aux_loss.item() == pytest.approx(aux, rel=1e-5)
+
+
+def test_in_the_model_extra_padding_changes_neither_the_routing_nor_the_objective():
+    """The model shows each stack's padding to its mixtures: padding a batch further leaves the
+    training loss, load-balancing term and capacity drops included, as it was; in a copy of the model,
+    in eager mode and compiled."""
+    cfg = ModelConfig(
+        vocab_size=50,
+        d_model=16,
+        n_heads=2,
+        d_ff=32,
+        n_layers=2,
+        dropout=0.0,
+        moe_experts=4,
+        moe_capacity=0.5,
+    )
+    torch.manual_seed(0)
+    src, tgt = torch.randint(4, 50, (2, 5)), torch.randint(4, 50, (2, 6))
+    src[1, 3:], tgt[1, 4:] = 0, 0
+    padded = F.pad(src, (0, 3)), F.pad(tgt, (0, 2)), F.pad(tgt, (0, 2))
+    model = copy.deepcopy(Transformer(cfg))
+    mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    for objective in (
+        Seq2SeqLoss(model, 0.1).train(),
+        torch.compile(Seq2SeqLoss(model, 0.1).train(), backend="aot_eager"),
+    ):
+        loss, _ = objective(src, tgt, tgt)
+        drops = [m.dropped.item() for m in mixtures]
+        assert [m.assignments.item() for m in mixtures] == [8 * 2] * 2 + [10 * 2] * 2  # real tokens x top_k
+        assert sum(drops) > 0  # the capacity binds
+        longer, _ = objective(*padded)
+        assert longer.item() == pytest.approx(loss.item(), rel=1e-5)
+        assert [m.dropped.item() for m in mixtures] == drops
 
 
 def test_decoding_has_no_capacity_so_a_token_never_depends_on_its_batch():
