@@ -30,14 +30,14 @@ def reference(moe: MixtureOfExperts, x: torch.Tensor, capacity: int | None, real
     is skipped: no place, no output, no share of f_e and P_e."""
     tokens = x.reshape(-1, x.size(-1)).double()
     n, n_experts, k = tokens.size(0), len(moe.experts), moe.top_k
-    padded = set() if real is None else {t for t, r in enumerate(real.reshape(-1).tolist()) if not r}
+    counted = list(range(n)) if real is None else [t for t, r in enumerate(real.reshape(-1).tolist()) if r]
     logits = tokens @ moe.router.weight.double().T
     probs = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in logits.tolist()]
     ranked = [sorted(range(n_experts), key=lambda e, p=p: -p[e])[:k] for p in probs]
     load, dropped = [0] * n_experts, 0
     out = torch.zeros_like(tokens)
     for choice in range(k):
-        for t in (t for t in range(n) if t not in padded):
+        for t in counted:
             e = ranked[t][choice]
             total = sum(probs[t][c] for c in ranked[t])
             weight = probs[t][e] / total if k > 1 else probs[t][e]
@@ -46,7 +46,6 @@ def reference(moe: MixtureOfExperts, x: torch.Tensor, capacity: int | None, real
                 continue
             load[e] += 1
             out[t] += weight * ffn(moe.experts[e], tokens[t])
-    counted = [t for t in range(n) if t not in padded]
     first = [sum(ranked[t][0] == e for t in counted) / len(counted) for e in range(n_experts)]
     mean_prob = [sum(probs[t][e] for t in counted) / len(counted) for e in range(n_experts)]
     aux = n_experts * sum(f * p for f, p in zip(first, mean_prob))

@@ -61,7 +61,8 @@ class MixtureOfExperts(nn.Module):
         keep = torch.ones_like(expert, dtype=torch.bool)
         if self.training:
             real = probs.new_ones(n) if self.real is None else self.real.reshape(n).to(probs.dtype)  # (N,)
-            count = real.sum().clamp_min(1)  # real tokens, a device scalar: no sync
+            n_real = real.sum()  # a device scalar: no sync
+            count = n_real.clamp_min(1)
             capacity = torch.ceil(self.capacity_factor * count * self.top_k / n_experts)
             one_hot = F.one_hot(expert, n_experts) * real.repeat(self.top_k)[:, None].long()  # (k * N, E)
             position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # place in its expert's queue; pads -1
@@ -69,7 +70,7 @@ class MixtureOfExperts(nn.Module):
             first = one_hot[:n].sum(0) / count  # f_e, over real tokens (padding rows are zero)
             mean_prob = (probs * real[:, None]).sum(0) / count  # P_e, over real tokens
             self.aux_loss = n_experts * (first * mean_prob).sum()
-            self.assignments = real.sum() * self.top_k
+            self.assignments = n_real * self.top_k
             self.dropped = self.assignments - keep.sum()
         else:
             self.aux_loss = None
