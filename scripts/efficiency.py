@@ -40,7 +40,7 @@ from transformer.decoding import search_weights  # noqa: E402
 from transformer.decoding.cache import DecoderCache  # noqa: E402
 from transformer.kernels import apply_cpu_kernels, prepacked  # noqa: E402
 from transformer.model import Transformer  # noqa: E402
-from transformer.moe import MixtureOfExperts  # noqa: E402
+from transformer.moe import MixtureOfExperts, dropped_fraction  # noqa: E402
 from transformer.training.loss import Seq2SeqLoss  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
@@ -178,8 +178,7 @@ def section_moe(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
-            return sum((m.dropped / m.assignments).item() for m in mixtures) / max(len(mixtures), 1)
+            return dropped_fraction(model).item() if model.cfg.moe_experts else 0.0
 
         step(0)  # warm-up: Adam's state, the kernels' first calls
         runs[name] = step
