@@ -312,8 +312,8 @@ def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(cor
     events = []
     save, monitor_step = state.Run.save, Monitor.step
 
-    def saving(run, data_state):
-        save(run, data_state)
+    def saving(run, *args):
+        save(run, *args)
         events.append(("saved", run.step))
 
     def signalled_at_step_2(monitor, n, stats):
@@ -352,6 +352,38 @@ def test_a_signal_during_the_last_step_stops_after_its_checkpoint(corpus, tmp_pa
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_3.pt"]
     monkeypatch.setattr(Monitor, "step", step)
     assert train(compose_config(args)) == tmp_path  # nothing left: on to the finish stage
+
+
+def test_a_stopped_and_resumed_run_keeps_and_averages_the_checkpoints_of_an_uninterrupted_one(
+    corpus, uninterrupted, tmp_path, monkeypatch
+):
+    """Signals stop the runs after steps 6 (an interim checkpoint), 8 (a due one) and 10 (interim); a
+    resumed run's next checkpoint replaces the interim one it resumed from, so that none takes a
+    keep_last place or enters the average."""
+    step = Monitor.step
+    signal_at = [5, 7, 9]  # a signal during step n stops the run after step n + 1
+
+    def signalled(monitor, n, stats):
+        step(monitor, n, stats)
+        if signal_at and n == signal_at[0]:
+            signal_at.pop(0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Monitor, "step", signalled)
+    args = overrides(
+        corpus, tmp_path, "trainer.max_steps=12", "trainer.save_every_steps=4", "trainer.keep_last=2"
+    )
+    names = []
+    for _ in range(3):
+        with pytest.raises(TrainingStopped):
+            train(compose_config(args))
+        names.append([p.name for p in list_checkpoints(tmp_path)])
+    train(compose_config(args))
+    assert names == [[f"checkpoint_{n}.pt" for n in pair] for pair in ((4, 6), (4, 8), (8, 10))]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_8.pt", "checkpoint_12.pt"]
+    reference = average_checkpoints([uninterrupted / "checkpoints" / f"checkpoint_{n}.pt" for n in (8, 12)])
+    for name, tensor in average_checkpoints(list_checkpoints(tmp_path))["model"].items():
+        assert torch.equal(tensor, reference["model"][name]), name
 
 
 def test_a_full_disk_stops_the_run_with_one_message_and_leaves_the_last_checkpoint_current(

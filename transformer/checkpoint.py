@@ -14,11 +14,13 @@ and, for resuming training:
     scheduler     the LambdaLR's state_dict (updates taken)
     data_state    the batch sampler's {"epoch", "position"}
     rng           one entry per rank: {"python", "numpy", "torch", "cuda"} generator states
+    interim       True for a checkpoint written only because a signal stopped the run
 An average of checkpoints (§6.1) has no resume state and lists its inputs under "averaged_from".
 
 A run keeps `<run_dir>/checkpoints/checkpoint_<step>.pt` (the newest `keep_last` of them) and the newest
 also as `checkpoint_last.pt`: a hard link (a copy where the filesystem has none), never a symlink, so
-it survives copying.
+it survives copying. The resumed run's next checkpoint replaces an interim one, so that a stopped and
+resumed run keeps, rotates and averages the same checkpoints as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -186,13 +188,17 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def save_checkpoint(ckpt: dict[str, Any], run_dir: str | Path, keep_last: int) -> Path:
-    """Write checkpoint_<step>.pt atomically, make checkpoint_last.pt the same file, then keep only the
-    newest `keep_last` numbered ones."""
+def save_checkpoint(
+    ckpt: dict[str, Any], run_dir: str | Path, keep_last: int, replaces: Path | None = None
+) -> Path:
+    """Write checkpoint_<step>.pt atomically, make checkpoint_last.pt the same file, delete `replaces`
+    (the interim checkpoint the run resumed from), then keep only the newest `keep_last` numbered ones."""
     directory = checkpoint_dir(run_dir)
     path = directory / f"checkpoint_{ckpt['step']}.pt"
     atomic_save(ckpt, path)
     _link_last(path, directory / LAST)
+    if replaces is not None and replaces != path:
+        replaces.unlink(missing_ok=True)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
@@ -303,7 +309,7 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
         name: (sums[name] / len(paths)).to(tensor.dtype) if name in sums else tensor
         for name, tensor in last["model"].items()
     }
-    averaged = {key: value for key, value in last.items() if key not in RESUME_KEYS}
+    averaged = {key: value for key, value in last.items() if key not in (*RESUME_KEYS, "interim")}
     averaged["model"] = model
     averaged["averaged_from"] = [str(path) for path in paths]
     return averaged

@@ -75,7 +75,7 @@ def train(cfg: TrainConfig) -> Path:
                 if decision.validate and corpus.valid is not None:
                     monitor.valid(run.step, *validate(validated, corpus.valid, runtime))
                 if decision.save:
-                    run.save(consumed)
+                    run.save(consumed, decision.interim)
                     policy.saved()
                 if decision.stop:
                     policy.stop(run.step)

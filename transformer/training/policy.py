@@ -2,7 +2,7 @@
 
 - validation: every `trainer.eval_every_steps` steps and after the last one;
 - a checkpoint: every `trainer.save_every_steps` steps or `trainer.save_every_minutes` minutes, after
-  the last step, and before a stop;
+  the last step, and before a stop (an interim one, which the resumed run's next checkpoint replaces);
 - a stop: SIGTERM or Ctrl-C (on any rank) stops the run after the current step's checkpoint, with
   `TrainingStopped`; a non-finite loss or gradient skips the update, and `trainer.max_nonfinite_steps`
   of them in a row stop the run with `TrainingError`.
@@ -43,6 +43,7 @@ class Decision:
 
     validate: bool
     save: bool
+    interim: bool  # saved only for the stop: no save was due
     stop: bool
 
 
@@ -70,9 +71,11 @@ class Policy:
         else:
             self._skipped(step, stats)
         last, healthy = step == self.t.max_steps, self.nonfinite == 0
+        due = save_due or last or (healthy and _every(self.t.save_every_steps, step))
         return Decision(
             validate=healthy and (_every(self.t.eval_every_steps, step) or last),
-            save=stop or save_due or last or (healthy and _every(self.t.save_every_steps, step)),
+            save=stop or due,
+            interim=stop and not due,
             stop=stop,
         )
 

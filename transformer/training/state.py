@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Adam
 from torch.optim.lr_scheduler import LambdaLR
 
-from transformer.checkpoint import FORMAT, save_checkpoint
+from transformer.checkpoint import FORMAT, list_checkpoints, save_checkpoint
 from transformer.config import ConfigError, OptimConfig, TrainConfig, to_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.model import Transformer
@@ -41,10 +41,12 @@ class Run:
     meta: dict[str, Any]
     spm_model: bytes
     step: int = 0
+    interim: Path | None = None  # the interim checkpoint of this run it resumed from, replaced by the next
 
-    def save(self, data_state: dict[str, int]) -> None:
+    def save(self, data_state: dict[str, int], interim: bool = False) -> None:
         """Write a checkpoint (rank 0); every rank takes part, for its RNG state. data_state: the
-        sampler's state after the batches of the steps taken (the loop reads ahead)."""
+        sampler's state after the batches of the steps taken (the loop reads ahead); interim: written
+        only because a signal stops the run."""
         rngs = gather_objects(rng_state(), self.runtime)
         if not self.runtime.is_main:
             return
@@ -60,8 +62,10 @@ class Run:
             "scheduler": self.scheduler.state_dict(),
             "data_state": data_state,  # the ranks agree on (epoch, position)
             "rng": rngs,  # one entry per rank
+            "interim": interim,
         }
-        path = save_checkpoint(ckpt, self.run_dir, self.cfg.trainer.keep_last)
+        path = save_checkpoint(ckpt, self.run_dir, self.cfg.trainer.keep_last, self.interim)
+        self.interim = None
         log.info("step %d: saved %s", self.step, path)
 
     def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
@@ -81,6 +85,8 @@ class Run:
         self._apply_optim_settings(ckpt.get("config", {}).get("optim", {}))
         self.sampler.load_state_dict(ckpt["data_state"])
         self.step = int(ckpt["step"])
+        if ckpt.get("interim") and path.resolve() in {p.resolve() for p in list_checkpoints(self.run_dir)}:
+            self.interim = path  # this run's own: never a file of another run directory
         rngs, rank = ckpt["rng"], self.runtime.rank
         if len(rngs) == self.runtime.world_size:
             set_rng_state(rngs[rank])
