@@ -3,6 +3,7 @@ end to end on a few Multi30k-style lines."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from sacrebleu.metrics import BLEU
 from transformer.checkpoint import atomic_save, load_checkpoint
 from transformer.config import ConfigError, DataConfig
 from transformer.evaluation import (
+    lowercase_bleu,
     moses_tokenize,
     paper_table,
     read_split,
@@ -27,13 +29,15 @@ from transformer.evaluation import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 HYPOTHESES = ["Die Grenz-Kontrolle war streng.", "Es ist ein gutes Buch."]
 REFERENCES = ["Die Grenz-Kontrolle war sehr streng.", "Es ist ein gutes Buch."]
 
 
 def test_tokenization_is_moses_then_compound_splitting():
-    tokenized = ["Die Grenz ##AT##-##AT## Kontrolle war streng .", "Es ist ein gutes Buch ."]
-    assert moses_tokenize(HYPOTHESES, "de") == tokenized
+    tokenized = moses_tokenize(HYPOTHESES, "de")
+    assert tokenized == ["Die Grenz-Kontrolle war streng .", "Es ist ein gutes Buch ."]
+    assert split_compounds(tokenized[0]) == "Die Grenz ##AT##-##AT## Kontrolle war streng ."
     # like perl's s{(\S)-(\S)}{...}g: matches do not overlap, a lone or trailing hyphen stays
     assert split_compounds("a-b-c x - y e-") == "a ##AT##-##AT## b-c x - y e-"
     # perl matches bytes: the second byte of "à" (C3 A0) is a \S of its own, so both hyphens split
@@ -51,7 +55,7 @@ def test_tokenized_bleu_by_hand():
     assert result.score == pytest.approx(expected, abs=1e-9)
     assert result.precisions == pytest.approx([100 * p for p in precisions])
     assert (result.hyp_len, result.ref_len) == (13, 14)
-    hyp, ref = moses_tokenize(HYPOTHESES, "de"), moses_tokenize(REFERENCES, "de")
+    hyp, ref = ([split_compounds(x) for x in moses_tokenize(side, "de")] for side in (HYPOTHESES, REFERENCES))
     pre_tokenized = BLEU(tokenize="none").corpus_score(hyp, [ref])  # sacreBLEU -tok none
     assert result.score == pytest.approx(pre_tokenized.score, abs=1e-12)
     assert "tok:none" in result.signature and "case:mixed" in result.signature
@@ -61,7 +65,7 @@ def test_tokenized_bleu_by_hand():
 
 def test_lowercased_and_sacrebleu_variants():
     hyp, ref = ["das haus ist sehr alt und klein ."], ["Das Haus ist sehr alt und klein ."]
-    assert tokenized_bleu(hyp, ref, "de", lowercase=True).score == pytest.approx(100.0)
+    assert lowercase_bleu(hyp, ref, "de").score == pytest.approx(100.0)
     cased = 100 * (6 / 8 * 5 / 7 * 4 / 6 * 3 / 5) ** 0.25  # "das haus" misses 1-, 2-, 3- and 4-grams
     assert tokenized_bleu(hyp, ref, "de").score == pytest.approx(cased)
     sacre = sacre_bleu(HYPOTHESES, REFERENCES)
@@ -69,6 +73,28 @@ def test_lowercased_and_sacrebleu_variants():
     assert "tok:13a" in sacre.signature and "case:mixed" in sacre.signature
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
         sacre_bleu(HYPOTHESES, REFERENCES[:1])
+
+
+def test_lowercase_bleu_by_hand_keeps_compounds_whole():
+    """Multi30k's convention: "t-shirt" is one token. Tokens: hyp 8, ref 9 ("eine" is missing);
+    matches: 1-grams 8/8, 2-grams 6/7, 3-grams 4/6, 4-grams 3/5."""
+    hyp = ["Ein Mann im blauen T-Shirt spielt Gitarre."]
+    ref = ["ein mann im blauen t-shirt spielt eine gitarre ."]
+    precisions = [8 / 8, 6 / 7, 4 / 6, 3 / 5]
+    expected = 100 * math.exp(1 - 9 / 8) * math.exp(sum(math.log(p) for p in precisions) / 4)
+    result = lowercase_bleu(hyp, ref, "de")
+    assert result.score == pytest.approx(expected, abs=1e-9)
+    assert (result.hyp_len, result.ref_len) == (8, 9) and "case:lc" in result.signature
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="no ../shared/data/multi30k")
+def test_lowercase_bleu_tokenizes_the_multi30k_test_reference_as_wu_et_al():
+    """Their BLEU log's reference length on test_2016_flickr, 12,103 tokens; 12,240 cased and with the
+    compound splitting of the WMT script."""
+    with gzip.open(MULTI30K / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
+        references = f.read().splitlines()
+    assert lowercase_bleu(references, references, "de").ref_len == 12103
+    assert tokenized_bleu(references, references, "de").ref_len == 12240
 
 
 def test_paper_table_puts_published_figures_beside_ours():
@@ -132,7 +158,7 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     result = json.loads(Path(f"{report}.bleu.json").read_text())
     hypotheses = Path(f"{report}.hyp.de").read_text().splitlines()
     assert len(hypotheses) == result["sentences"] == 3 and result["split_name"] == "test_2016_flickr"
-    expected = tokenized_bleu(hypotheses, references, "de", lowercase=True).score
+    expected = lowercase_bleu(hypotheses, references, "de").score
     assert result["scores"]["tokenized_lowercase"]["score"] == pytest.approx(expected)
     greedy = [arg if arg != "beam_size=2" else "beam_size=1" for arg in command]
     assert subprocess.run(greedy, capture_output=True, cwd=ROOT, timeout=300, env=env).returncode == 0
