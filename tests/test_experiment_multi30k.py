@@ -59,6 +59,15 @@ def test_peak_learning_rate_is_the_published_5e_3():
     assert peak == pytest.approx(5e-3, rel=0.01)  # Wu et al.'s peak, reached after their 2,000 warmup steps
 
 
+def test_an_update_holds_two_4096_token_batches_for_8000_updates():
+    """Wu et al.'s command: two GPUs with --max-tokens 4096 each, so two batches per update, and
+    --max-update 8000; on one CPU process the two batches are accumulated."""
+    t = compose_experiment().trainer
+    assert (t.grad_accum(1), t.batch_tokens(1)) == (2, 4096)
+    assert (t.grad_accum(2), t.batch_tokens(2)) == (1, 4096)  # as their two workers
+    assert t.max_steps == 8000
+
+
 @pytest.mark.skipif(not MULTI30K.is_dir(), reason="no ../shared/data/multi30k")
 def test_the_raw_multi30k_release_has_every_split_the_config_names():
     cfg = compose_experiment("data.source=local", f"data.path={MULTI30K}")
