@@ -15,6 +15,7 @@ Only rank 0 prepares the corpus and writes checkpoints; every rank reads them, s
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +26,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer.config import ConfigError, TrainerConfig
-from transformer.kernels import apply_cpu_kernels
+from transformer.kernels import apply_cpu_kernels, cache_onednn_kernels, keep_freed_memory
+
+log = logging.getLogger(__name__)
 
 PREPARE_TIMEOUT = timedelta(hours=12)  # rank 0 may spend hours preparing WMT14 while the others wait
 
@@ -60,6 +63,9 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
     dtype = _precision(cfg.precision, device)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    if device.type == "cpu" and dtype == torch.bfloat16:  # before any batch allocates or compiles
+        keep_freed_memory()
+        cache_onednn_kernels()
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast use TF32 tensor cores
@@ -93,7 +99,17 @@ def _precision(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"{torch.cuda.get_device_name(device)} has no bf16; use trainer.precision=fp32")
+    if name == "bf16" and device.type == "cpu" and not cpu_has_bf16():
+        log.warning(
+            "this CPU multiplies bf16 without native instructions (AVX512-BF16 or AMX), likely slower than "
+            "fp32; trainer.precision=fp32 trains the same model"
+        )
     return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX instructions."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def wrap(module: nn.Module, runtime: Runtime, compile: bool) -> nn.Module:
