@@ -9,7 +9,8 @@ Without `data=`, the corpus is the one the checkpoint was trained on (data.KEY=V
 over it).
 
 Writes <checkpoint>.<data>.<split>.<search>.bleu.json and .hyp.<lang> beside the checkpoint (search:
-beam4.alpha0.6 by default, greedy for beam_size=1, then .len<a>x+<b> for other max_len_a/max_len_b), so
+beam4.alpha0.6 by default, greedy for beam_size=1, then .len<a>x+<b> for other max_len_a/max_len_b and
+.bf16 or .int8 for those precisions), so
 scores of other decoding settings sit side by side.
 """
 

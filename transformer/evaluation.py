@@ -195,8 +195,8 @@ def read_split(cfg: DataConfig, role: str) -> Split:
 def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = None) -> dict[str, Any]:
     """Translate the raw source side of split `cfg.split`, score it, and write beside the checkpoint
     `<checkpoint>.<data>.<split>.<search>.bleu.json` and the hypotheses (search: `beam4.alpha0.6`, or
-    `greedy`, then `.len<a>x+<b>` for an output limit other than §6.1's); returns that JSON plus its
-    "path" and "table".
+    `greedy`, then `.len<a>x+<b>` for an output limit other than §6.1's, `.bf16` or `.int8` for those
+    precisions); returns that JSON plus its "path" and "table".
     `translator`: the checkpoint already loaded with cfg's decoding settings (else it is loaded here)."""
     if translator is None:  # a bad checkpoint fails before any reading or decoding
         translator = Translator.from_checkpoint(cfg)
@@ -218,6 +218,8 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
     search = f"beam{cfg.beam_size}.alpha{cfg.alpha:g}" if cfg.beam_size > 1 else "greedy"
     if (cfg.max_len_a, cfg.max_len_b) != (EvaluateConfig.max_len_a, EvaluateConfig.max_len_b):
         search += f".len{cfg.max_len_a:g}x+{cfg.max_len_b}"  # another output limit
+    if cfg.precision in ("bf16", "int8"):
+        search += f".{cfg.precision}"
     stem = f"{cfg.checkpoint}.{data.name}.{cfg.split}.{search}"  # another search never overwrites it
     result: dict[str, Any] = {
         "checkpoint": cfg.checkpoint,
