@@ -162,16 +162,14 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     assert result["scores"]["tokenized_lowercase"]["score"] == pytest.approx(expected)
     greedy = [arg if arg != "beam_size=2" else "beam_size=1" for arg in command]
     assert subprocess.run(greedy, capture_output=True, cwd=ROOT, timeout=300, env=env).returncode == 0
-    greedy_report = json.loads(
-        (tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.bleu.json").read_text()
-    )
+    greedy_path = tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.bleu.json"
+    greedy_report = json.loads(greedy_path.read_text())
     assert greedy_report["settings"]["beam_size"] == 1
     int8 = subprocess.run([*greedy, "precision=int8"], capture_output=True, cwd=ROOT, timeout=300, env=env)
     assert int8.returncode == 0, int8.stderr
     int8_report = tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.int8.bleu.json"
     assert json.loads(int8_report.read_text())["settings"]["precision"] == "int8"
-    fp32_report = tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.bleu.json"
-    assert json.loads(fp32_report.read_text()) == greedy_report  # not overwritten by int8's
+    assert json.loads(greedy_path.read_text()) == greedy_report  # not overwritten by int8's
     assert json.loads(Path(f"{report}.bleu.json").read_text()) == result  # not overwritten
     command[-1] = f"data.path={tmp_path / 'nowhere'}"
     missing = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)

@@ -1,6 +1,7 @@
-"""A CPU run's memory and oneDNN kernels kept from one batch to the next (docs/performance.md, "Memory
-reuse"). Every batch has its own shapes: by default glibc hands each large freed block back to the
-system, so the next batch faults fresh pages in, and oneDNN keeps the kernels of only 1,024 shapes.
+"""A CPU run's memory and oneDNN kernels kept from one batch to the next (docs/performance.md,
+"Memory kept between batches"). Every batch has its own shapes: by default glibc hands each large
+freed block back to the system, so the next batch faults fresh pages in, and oneDNN keeps the
+kernels of only 1,024 shapes.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ def keep_freed_memory() -> bool:
     """Serve blocks up to 1 GiB from glibc's heap and never shrink it; False where the C library has no
     mallopt (macOS, Windows) or refused a setting."""
     name = ctypes.util.find_library("c")
+    if name is None:
+        return False
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not loadable, or a C library without mallopt
         return False
     settings = ((M_MMAP_THRESHOLD, HEAP_UP_TO), (M_TRIM_THRESHOLD, NEVER_TRIM), (M_TOP_PAD, GROW_BY))
-    return mallopt is not None and all([bool(mallopt(param, value)) for param, value in settings])
+    return all([bool(mallopt(param, value)) for param, value in settings])
 
 
 def cache_onednn_kernels() -> None:
