@@ -61,7 +61,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     )
     check.run("environment", [sys.executable, "-c", _ENVIRONMENT], 60)
     check.run("gpu_tests", _pytest(args.dry_run), 100)
-    check.run("benchmark", _benchmark(args.dry_run, args.out / "benchmark.json"), 240)
+    check.run("benchmark", _benchmark(args.dry_run, args.out / "benchmark.json"), 300)
     check.run("prepare", [sys.executable, "scripts/prepare_data.py", *data], 60)
     if check.train("train_eager", work / "eager", data, compile=False):
         source = work / "test.en"
