@@ -26,8 +26,8 @@ def states_weight_and_target(n: int = 11, vocab: int = 13, d: int = 5, seed: int
 
 def smoothed_distribution(target: torch.Tensor, vocab: int, eps: float) -> torch.Tensor:
     """q: 1 - eps on the gold token, eps / (V - 1) on every other token (fairseq, tensor2tensor)."""
-    q = torch.full((len(target), vocab), eps / (vocab - 1), dtype=torch.float64)
-    q[torch.arange(len(target)), target] = 1 - eps
+    q = torch.full((len(target), vocab), eps / (vocab - 1), dtype=torch.float64, device=target.device)
+    q[torch.arange(len(target), device=target.device), target] = 1 - eps
     return q
 
 
