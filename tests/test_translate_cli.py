@@ -278,10 +278,16 @@ def test_cuda_graphs_without_a_cuda_device_are_refused(tiny_checkpoint):
         )
 
 
+def test_cuda_graphs_are_off_by_default_on_the_cpu(tiny_checkpoint):
+    for precision in ("fp32", "int8"):
+        cfg = TranslateConfig(checkpoint=str(tiny_checkpoint), device="cpu", precision=precision)
+        assert cfg.cuda_graphs is None and Translator.from_checkpoint(cfg).cfg.cuda_graphs is False
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_translate_as_the_dynamic_search(tiny_checkpoint):
     """The real command on CUDA, with and without cuda_graphs: the same lines (fp32, so that the two
-    searches' arithmetic cannot round apart)."""
+    searches' arithmetic cannot round apart); on CUDA they are on by default."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     lines = b"The cat sees the house.\n\nA dog likes a red ball.\nMein Freund findet das Haus.\n"
@@ -294,3 +300,5 @@ def test_cuda_graphs_translate_as_the_dynamic_search(tiny_checkpoint):
     for done in runs:
         assert done.returncode == 0, done.stderr.decode()
     assert runs[1].stdout == runs[0].stdout and len(runs[1].stdout.splitlines()) == 4
+    default = Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), device="cuda"))
+    assert default.cfg.cuda_graphs is True

@@ -331,7 +331,7 @@ class DecodeConfig(SearchConfig, DeviceConfig):
     checkpoint: str | None = None  # a checkpoint file (it carries its tokenizer)
     max_tokens: int = 4096  # padded source tokens per batch
     max_sentences: int = 256  # sentences per batch: bounds the decoder's cache on batches of short lines
-    cuda_graphs: bool = False  # search in static shapes, each step one CUDA graph replay (decoding/search.py)
+    cuda_graphs: bool | None = None  # each search step one CUDA graph replay; None: on CUDA
 
     def __post_init__(self) -> None:
         _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")

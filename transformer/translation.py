@@ -6,6 +6,7 @@ always exactly one output line per input line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Iterator
@@ -71,6 +72,8 @@ class Translator:
             torch.set_num_threads(cfg.threads)
         if cfg.cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=true needs a CUDA device; device={cfg.device} gives the CPU")
+        if cfg.cuda_graphs is None:
+            cfg = dataclasses.replace(cfg, cuda_graphs=device.type == "cuda")
         ckpt = load_checkpoint(cfg.checkpoint)
         if not ckpt.get("spm_model"):
             raise CheckpointError(f"{cfg.checkpoint} carries no tokenizer (spm_model)")
