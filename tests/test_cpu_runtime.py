@@ -63,3 +63,11 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged(monkeypatch, caplog, nativ
     assert runtime.dtype == torch.bfloat16
     flagged = [r for r in caplog.records if "trainer.precision=fp32" in r.getMessage()]
     assert bool(flagged) is not native
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_precision_is_bf16_on_a_cpu_that_multiplies_it_natively(monkeypatch, amx):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    runtime = init_runtime(TrainerConfig(device="cpu", precision="auto"))
+    assert runtime.dtype == (torch.bfloat16 if amx else torch.float32)

@@ -95,8 +95,9 @@ def _device(name: str, local_rank: int, world_size: int) -> torch.device:
 
 
 def _precision(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "auto":  # bf16 where the device multiplies it natively
+        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+        return torch.bfloat16 if native else torch.float32
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"{torch.cuda.get_device_name(device)} has no bf16; use trainer.precision=fp32")
     if name == "bf16" and device.type == "cpu" and not cpu_has_bf16():
