@@ -204,7 +204,8 @@ class DeviceConfig:
     """Where and in what precision a model runs: training's (`trainer.*`) and decoding's settings."""
 
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
-    precision: str = "auto"  # "auto" (bf16 on CUDA and AMX/AVX512-BF16 CPUs) | "fp32" | "bf16" (| "int8")
+    # "auto": bf16 on CUDA, and in training also on CPUs with AMX or AVX512-BF16 | "fp32" | "bf16"
+    precision: str = "auto"  # (| "int8": decoding)
     threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
 
     def check_device(self, where: str = "", precisions: tuple[str, ...] = ("auto", "fp32", "bf16")) -> None:
