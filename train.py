@@ -12,20 +12,21 @@ or Ctrl-C saves a checkpoint, then exits with the status of a process the signal
 
 import os
 import sys
-from pathlib import Path
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also runs from a checkout not pip-installed
+from transformer.checkpoint import CheckpointError
+from transformer.cli import exit_with_error
+from transformer.config import ConfigError, TrainConfig, app_defaults, from_dict
+from transformer.data.sources import DataError
+from transformer.finish import check_finish, finish
+from transformer.training import TrainingError, TrainingStopped, train
 
-from transformer.checkpoint import CheckpointError  # noqa: E402
-from transformer.config import ConfigError, TrainConfig, from_dict  # noqa: E402
-from transformer.data.sources import DataError  # noqa: E402
-from transformer.finish import check_finish, finish  # noqa: E402
-from transformer.training import TrainingError, TrainingStopped, train  # noqa: E402
+ConfigStore.instance().store(name="train_defaults", node=app_defaults("train"))  # every default
 
 
 @hydra.main(config_path="configs", config_name="train", version_base=None)
@@ -39,8 +40,7 @@ def main(cfg: DictConfig) -> None:
         if int(os.environ.get("RANK", "0")) == 0:  # average, evaluate, show translations (finish.*)
             finish(config, run_dir)
     except (ConfigError, DataError, CheckpointError, TrainingError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(error)
     except TrainingStopped as stopped:  # saved; the status tells a scheduler the run is not finished
         sys.exit(stopped.exit_status)
 

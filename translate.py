@@ -12,12 +12,18 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from transformer.atomic import write_atomic
+from transformer import atomic
 from transformer.checkpoint import CheckpointError
-from transformer.config import ConfigError, TranslateConfig, from_dict
-from transformer.translation import Translator, exit_with_error, split_input
+from transformer.cli import exit_with_error
+from transformer.config import ConfigError, TranslateConfig, app_defaults, from_dict
+from transformer.translation import Translator, split_input
+
+ConfigStore.instance().store(
+    name="translate_defaults", node=app_defaults("translate")
+)  # configs/translate.yaml
 
 
 def read_lines(cfg: TranslateConfig) -> list[str]:
@@ -43,7 +49,7 @@ def run(cfg: TranslateConfig) -> None:
         sys.stdout.buffer.write(text.encode("utf-8"))
         sys.stdout.flush()
     else:
-        write_atomic(output, text.encode("utf-8"))
+        atomic.write_bytes(output, text.encode("utf-8"))
 
 
 @hydra.main(config_path="configs", config_name="translate", version_base=None)

@@ -9,18 +9,16 @@ picks up). The result has no optimizer or data state: it is for translation, not
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
-
-from transformer.checkpoint import (  # noqa: E402
+from transformer.checkpoint import (
     CheckpointError,
-    atomic_save,
     average_checkpoints,
     averaged_path,
     list_checkpoints,
+    write_checkpoint,
 )
+from transformer.cli import exit_with_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +56,7 @@ def main(argv: list[str] | None = None) -> Path:
         paths = found[-args.last :]
         output = args.output or averaged_path(args.run_dir, args.last)
     averaged = average_checkpoints(paths)
-    atomic_save(averaged, output)
+    write_checkpoint(averaged, output)
     print(f"averaged {len(paths)} checkpoints ({paths[0].name} .. {paths[-1].name}) into {output}")
     return output
 
@@ -67,5 +65,4 @@ if __name__ == "__main__":
     try:
         main()
     except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(error)

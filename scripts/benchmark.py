@@ -65,17 +65,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench.data import section_data
+from bench.decode import section_decode
+from bench.measure import Setup, make_setup, register_cpu_flops, release_free_memory
+from bench.peers import available_peers
+from bench.report import print_header, print_section, print_summary, targets, write_json
+from bench.train import section_train
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
-
-from bench.data import section_data  # noqa: E402
-from bench.decode import section_decode  # noqa: E402
-from bench.measure import Setup, make_setup, register_cpu_flops, release_free_memory  # noqa: E402
-from bench.peers import available_peers  # noqa: E402
-from bench.report import print_header, print_section, print_summary, targets, write_json  # noqa: E402
-from bench.train import section_train  # noqa: E402
-
-from transformer.config import ModelConfig  # noqa: E402
+from transformer.config import ModelConfig
 
 SIZES = {
     "tiny": ModelConfig(vocab_size=1000, d_model=64, n_heads=4, d_ff=256, n_layers=2),

@@ -18,30 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from bench.decode import decode_inputs, ours_decoder
+from bench.measure import interleave, make_setup, peak_memory, timed
+from bench.report import print_table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/
-
-from contextlib import ExitStack  # noqa: E402
-
-from bench.decode import decode_inputs, ours_decoder  # noqa: E402
-from bench.measure import interleave, make_setup, peak_memory, timed  # noqa: E402
-from bench.report import print_table  # noqa: E402
-
-from transformer.attention import attention, reference_attention  # noqa: E402
-from transformer.config import ModelConfig  # noqa: E402
-from transformer.decoding import search_weights  # noqa: E402
-from transformer.decoding.cache import DecoderCache  # noqa: E402
-from transformer.kernels import apply_cpu_kernels, prepacked  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
-from transformer.moe import MixtureOfExperts, dropped_fraction  # noqa: E402
-from transformer.training.loss import Seq2SeqLoss  # noqa: E402
+from transformer.attention import attention, reference_attention
+from transformer.config import ModelConfig
+from transformer.decoding import search_weights
+from transformer.decoding.cache import DecoderCache
+from transformer.kernels import Kernels
+from transformer.model import Transformer
+from transformer.moe import MixtureOfExperts
+from transformer.training.loss import Seq2SeqLoss
 
 HEADS, HEAD_DIM = 8, 64
 SIZES = {"base": {}, "tiny": dict(d_model=64, d_ff=128, n_layers=2)}  # tiny: for the tests; 8 heads in both
@@ -100,8 +94,8 @@ def cache_bytes(model: Transformer, src_len: int, out_len: int) -> tuple[int, in
     encoder-decoder keys and values for src_len source tokens), read from a DecoderCache."""
     memory = torch.zeros(1, src_len, model.cfg.d_model)
     cache = DecoderCache(model, memory, torch.ones(1, src_len, dtype=torch.bool), 1, out_len, static=False)
-    size = sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values])
-    cross = sum(t.numel() * t.element_size() for pair in cache.cross for t in pair)
+    size = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    cross = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.cross)
     return size, cross
 
 
@@ -111,9 +105,7 @@ def section_kv(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(0)
         cfg = ModelConfig(vocab_size=args.vocab, n_kv_heads=kv, dropout=0.0, **SIZES[args.size])
         model = Transformer(cfg).eval().to(setup.device)
-        if setup.device.type == "cpu":  # as translate.py runs it
-            apply_cpu_kernels(model)
-            packed.enter_context(prepacked(search_weights(model)))
+        kernels = Kernels.for_device(setup.device)  # as translate.py hands them over
         self_bytes, cross_bytes = cache_bytes(model, args.src_len, max(args.new_tokens))
         rows.append(
             {
@@ -124,8 +116,9 @@ def section_kv(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         )
         src = decode_inputs(cfg, args.sentences, args.src_len, seed=1)["ours"].to(setup.device)
         for new_tokens in args.new_tokens:
-            run = ours_decoder(model, new_tokens)
+            run = ours_decoder(model, new_tokens, kernels)
             runs[f"{kv}/{new_tokens}"] = lambda i, run=run, src=src: run(src, 4)
+        packed.enter_context(kernels.products.prepacked(search_weights(run.model)))
     with torch.inference_mode(), packed:
         results = interleave(runs, args.rounds, setup.device, "beam 4")
     for row in rows:
@@ -166,19 +159,18 @@ def section_moe(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
     for name, change in variants.items():
         torch.manual_seed(0)
         cfg = ModelConfig(vocab_size=args.vocab, **{**SIZES[args.size], **change})
-        model = Transformer(cfg).to(setup.device)
-        if setup.device.type == "cpu":
-            apply_cpu_kernels(model)
-        objective = Seq2SeqLoss(model, 0.1).train()
+        kernels = Kernels.for_device(setup.device)  # as training hands them over
+        model = kernels.apply(Transformer(cfg).to(setup.device))
+        objective = Seq2SeqLoss(model, 0.1, kernels.products).train()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
 
         def step(_: int, objective=objective, optimizer=optimizer, model=model) -> float:
             with setup.autocast():
-                loss, _ = objective(src, tgt[:, :-1], tgt[:, 1:])
+                loss, _, figures = objective(src, tgt[:, :-1], tgt[:, 1:])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return dropped_fraction(model).item() if model.cfg.moe_experts else 0.0
+            return float(figures["moe_dropped"]) if figures else 0.0
 
         step(0)  # warm-up: Adam's state, the kernels' first calls
         runs[name] = step

@@ -16,20 +16,21 @@ scores of other decoding settings sit side by side.
 
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
+from transformer.checkpoint import CheckpointError
+from transformer.cli import exit_with_error
+from transformer.config import ConfigError, DataConfig, EvaluateConfig, app_defaults, from_dict, known
+from transformer.data.sources import DataError
+from transformer.evaluation import evaluate_checkpoint
+from transformer.translation import Translator
 
-from transformer.checkpoint import CheckpointError  # noqa: E402
-from transformer.config import ConfigError, DataConfig, EvaluateConfig, from_dict  # noqa: E402
-from transformer.data.sources import DataError  # noqa: E402
-from transformer.evaluation import evaluate_checkpoint  # noqa: E402
-from transformer.translation import Translator, exit_with_error  # noqa: E402
+ConfigStore.instance().store(name="evaluate_defaults", node=app_defaults("evaluate"))  # every default
 
 
 def corpus(cfg: DictConfig, recorded: dict[str, Any] | None) -> dict[str, Any]:
@@ -38,8 +39,7 @@ def corpus(cfg: DictConfig, recorded: dict[str, Any] | None) -> dict[str, Any]:
     given = [o.lstrip("+~").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
     if "data" in given or recorded is None:
         return OmegaConf.to_container(cfg.data, resolve=True)
-    known = DataConfig.__dataclass_fields__
-    data = OmegaConf.create({key: value for key, value in recorded.items() if key in known})
+    data = OmegaConf.create(known(DataConfig, recorded))
     for key in (k.removeprefix("data.") for k in given if k.startswith("data.")):
         OmegaConf.update(data, key, OmegaConf.select(cfg.data, key), merge=False)
     print(f"corpus: {data.name}, the checkpoint's (data=NAME chooses another)", file=sys.stderr)

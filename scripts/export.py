@@ -10,18 +10,18 @@ pip install -e ".[export]".
 """
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
+from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from transformer.cli import exit_with_error
+from transformer.config import ConfigError, ExportConfig, app_defaults, from_dict
 
-from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint  # noqa: E402
-from transformer.config import ConfigError, ExportConfig, from_dict  # noqa: E402
-from transformer.translation import exit_with_error  # noqa: E402
+ConfigStore.instance().store(name="export_defaults", node=app_defaults("export"))  # every default
 
 USAGE = {
     "ctranslate2": "ctranslate2.Translator({out!r}).translate_batch([pieces]) (pieces: {out}/spm.model)",

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # also runs from a checkout not pip-installed
+sys.path.insert(0, str(ROOT))  # a GPU machine runs the checkout as it is, not pip-installed
 
 from transformer.data.toy import generate_splits  # noqa: E402
 
@@ -147,6 +147,9 @@ def environment(wheels: Path, site: Path) -> dict[str, str]:
     """This process's environment, with the wheels in `wheels` installed into `site` (and on PYTHONPATH)
     where one of NEEDED is missing."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")])
+    )  # the steps' scripts
     if all(importlib.util.find_spec(name) for name in NEEDED) or not wheels.is_dir():
         return env
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]

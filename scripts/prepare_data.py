@@ -9,16 +9,19 @@ Everything is written into data.dir (default data/<name>); a re-run skips finish
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
+from transformer.cli import exit_with_error
+from transformer.config import ConfigError, DataConfig, app_defaults, from_dict
+from transformer.data.prepare import prepare
+from transformer.data.sources import DataError
 
-from transformer.config import ConfigError, DataConfig, from_dict  # noqa: E402
-from transformer.data.prepare import prepare  # noqa: E402
-from transformer.data.sources import DataError  # noqa: E402
+ConfigStore.instance().store(
+    name="prepare_data_defaults", node=app_defaults("prepare_data")
+)  # configs/prepare_data.yaml
 
 
 @hydra.main(config_path="../configs", config_name="prepare_data", version_base=None)
@@ -27,8 +30,7 @@ def main(cfg: DictConfig) -> None:
     try:
         prepare(from_dict(DataConfig, OmegaConf.to_container(cfg.data, resolve=True), "data."))
     except (ConfigError, DataError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(error)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,19 @@ python scripts/visualize_attention.py checkpoint=PATH text='"The cat sat on the 
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also runs from a checkout not pip-installed
+from transformer.checkpoint import CheckpointError
+from transformer.cli import exit_with_error
+from transformer.config import ConfigError, VisualizeConfig, app_defaults, from_dict
+from transformer.visualize import visualize_checkpoint
 
-from transformer.checkpoint import CheckpointError  # noqa: E402
-from transformer.config import ConfigError, VisualizeConfig, from_dict  # noqa: E402
-from transformer.translation import exit_with_error  # noqa: E402
-from transformer.visualize import visualize_checkpoint  # noqa: E402
+ConfigStore.instance().store(
+    name="visualize_defaults", node=app_defaults("visualize")
+)  # configs/visualize.yaml
 
 
 @hydra.main(config_path="../configs", config_name="visualize", version_base=None)

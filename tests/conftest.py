@@ -9,12 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra.core.config_store import ConfigStore
 
-from transformer.checkpoint import FORMAT, atomic_save
-from transformer.config import ModelConfig, to_dict
-from transformer.data.tokenizer import EOS_ID, PAD_ID
-from transformer.data.tokenizer import train as train_tokenizer
+from transformer.checkpoint import FORMAT, write_checkpoint
+from transformer.config import ModelConfig, app_defaults, to_dict
+from transformer.data.tokenizer import learn_bpe
 from transformer.model import Transformer
+from transformer.vocab import EOS_ID, PAD_ID
+
+# The apps' defaults, as each app registers them, for the tests that compose configs/ with Hydra.
+for app in ("train", "translate", "evaluate", "visualize", "export", "prepare_data"):
+    ConfigStore.instance().store(name=f"{app}_defaults", node=app_defaults(app))
 
 # ------------------------------------------------------------------------------ a tiny checkpoint
 
@@ -43,7 +48,7 @@ def tiny_config(vocab: int, max_positions: int) -> ModelConfig:
 
 def make_tiny_checkpoint(path: Path, max_positions: int = 128, seed: int = 0) -> Path:
     """An untrained tiny Transformer with a real SentencePiece tokenizer, in the checkpoint format."""
-    spm_model = train_tokenizer(TINY_SENTENCES, vocab_size=80)
+    spm_model = learn_bpe(TINY_SENTENCES, vocab_size=80)
     torch.manual_seed(seed)
     cfg = tiny_config(80, max_positions)
     ckpt = {
@@ -55,7 +60,7 @@ def make_tiny_checkpoint(path: Path, max_positions: int = 128, seed: int = 0) ->
         "config": {},
         "step": 0,
     }
-    atomic_save(ckpt, path)
+    write_checkpoint(ckpt, path)
     return path
 
 

@@ -31,9 +31,9 @@ import pytest
 import torch
 from conftest import sources, tiny_model
 
-from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer.decoding import SearchResult, beam_search
 from transformer.model import Transformer
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 static_beam_search = functools.partial(beam_search, static=True)
 BEAM_SEARCHES = pytest.mark.parametrize(
@@ -84,7 +84,8 @@ def reference_beam_search(
         # log P(y_step | y_<step, X) of every live prefix, from one full decode of [BOS] + prefix
         prefixes = torch.tensor([[BOS_ID] + tokens for _, tokens in live])
         n = len(live)
-        logits = model.decode(prefixes, memory.expand(n, -1, -1), src_mask.expand(n, -1))[:, -1]
+        states = model.decode(prefixes, memory.expand(n, -1, -1), src_mask.expand(n, -1))[:, -1]
+        logits = model.project(states)  # (n, V)
         log_probs = logits.log_softmax(dim=-1).tolist()
         banned = {PAD_ID, BOS_ID, EOS_ID} if step <= min_len else {PAD_ID, BOS_ID}  # EOS after min_len
         extensions = [

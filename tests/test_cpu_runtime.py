@@ -1,6 +1,6 @@
 """A CPU training run's setup (transformer/kernels/memory.py, training/distributed.py: init_runtime):
 freed memory stays with the process, oneDNN keeps more kernels, and bf16 on a CPU without native
-bf16 instructions is flagged."""
+bf16 instructions is flagged (the CPU's bf16 faked through transformer/devices.py)."""
 
 import logging
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformer import devices
 from transformer.config import TrainerConfig
 from transformer.kernels.memory import ONEDNN_KERNELS, cache_onednn_kernels
 from transformer.training.distributed import init_runtime
@@ -56,8 +57,7 @@ def test_onednn_keeps_more_kernels_unless_the_user_chose(monkeypatch):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged(monkeypatch, caplog, native):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: native)
     with caplog.at_level(logging.WARNING):
         runtime = init_runtime(TrainerConfig(device="cpu", precision="bf16"))
     assert runtime.dtype == torch.bfloat16
@@ -65,9 +65,9 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged(monkeypatch, caplog, nativ
     assert bool(flagged) is not native
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_auto_precision_is_bf16_on_a_cpu_that_multiplies_it_natively(monkeypatch, amx):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_on_a_cpu_that_multiplies_it_natively(monkeypatch, native):
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: native)
     runtime = init_runtime(TrainerConfig(device="cpu", precision="auto"))
-    assert runtime.dtype == (torch.bfloat16 if amx else torch.float32)
+    assert runtime.dtype == (torch.bfloat16 if native else torch.float32)
+    assert devices.decoding_dtype("auto", torch.device("cpu")) == torch.float32  # decoding: fp32 on every CPU

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from transformer import atomic
 from transformer.config import ConfigError, DataConfig, ToyConfig
 from transformer.data import binarize
 from transformer.data import prepare as prepare_module
@@ -422,7 +423,7 @@ def test_crash_leaves_no_partial_file_and_the_rerun_resumes(tmp_path, monkeypatc
 
     def crash_on_valid(src, tgt, out, *args, **kwargs):
         if "valid" in out["src_bin"].name:
-            with binarize.atomic_write(out["src_bin"]) as file:
+            with atomic.writing(out["src_bin"]) as file:
                 file.write(b"half a shard")
                 raise KeyboardInterrupt
         return real_encode(src, tgt, out, *args, **kwargs)

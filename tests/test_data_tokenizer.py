@@ -9,7 +9,8 @@ import sentencepiece as spm
 import torch
 
 from transformer.data import tokenizer
-from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from transformer.data.tokenizer import Tokenizer
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 SENTENCES = [
     "the small dog sees the big cat in the garden .",
@@ -21,7 +22,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def model_bytes() -> bytes:
-    return tokenizer.train(SENTENCES, 80)
+    return tokenizer.learn_bpe(SENTENCES, 80)
 
 
 def test_special_ids_are_fixed(model_bytes):
@@ -45,13 +46,13 @@ def test_round_trip_and_batch_encoding(model_bytes, tmp_path):
 
 
 def test_lowercase_is_built_into_the_model():
-    tok = Tokenizer.from_bytes(tokenizer.train(SENTENCES, 80, lowercase=True))
+    tok = Tokenizer.from_bytes(tokenizer.learn_bpe(SENTENCES, 80, lowercase=True))
     for text in ("Die GROSSE Katze sieht den kleinen HUND .", "eine Frau auf der Straße ."):
         assert tok.decode(tok.encode(text)) == text.lower()  # "ß" stays (case folding would give "ss")
     assert tok.encode("Der Hund") == tok.encode("der hund") and tok.encode("ẞ") == tok.encode("ß")
     assert tok.decode(tok.encode("ﬁ")) == "fi"  # NFKC still applies, as in the cased model
     assert all(p == p.lower() for p in tok.pieces(range(4, tok.vocab_size)))  # no cased piece was learned
-    cased = Tokenizer.from_bytes(tokenizer.train(SENTENCES, 80))
+    cased = Tokenizer.from_bytes(tokenizer.learn_bpe(SENTENCES, 80))
     assert cased.decode(cased.encode("die Katze")) == "die Katze"
 
 
@@ -70,4 +71,4 @@ def test_a_model_with_other_special_ids_is_refused():
 
 def test_vocabulary_larger_than_the_text_allows():
     with pytest.raises(ValueError, match=r"data.vocab_size=5000 is too large for this corpus"):
-        tokenizer.train(SENTENCES, 5000)
+        tokenizer.learn_bpe(SENTENCES, 5000)

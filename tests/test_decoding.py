@@ -11,16 +11,25 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import sources, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.config import ModelConfig
-from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.decoding import beam_search, greedy_search, length_penalty, search_weights
-from transformer.decoding import search as searching
-from transformer.decoding.cache import DecoderCache, decode_step
-from transformer.kernels import apply_cpu_kernels, prepacked
+from transformer.decoding import (
+    BeamSearch,
+    DecoderCache,
+    beam_search,
+    best_next_tokens,
+    greedy_search,
+    length_penalty,
+    search_weights,
+    vocab_chunks,
+)
+from transformer.decoding import search as search_module
+from transformer.kernels import Kernels
 from transformer.model import Transformer
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 static_beam_search = functools.partial(beam_search, static=True)
 # the two ways of running the same beam search: dynamic shapes, and static shapes (CUDA graphs)
@@ -29,30 +38,6 @@ BEAM_SEARCHES = pytest.mark.parametrize(
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class PrefixCache:
-    """The no-cache reference's state, in place of `DecoderCache`: the decoder inputs so far and the
-    encoder output, per row."""
-
-    def __init__(self, model, memory, src_mask, rows, limit, static):
-        self.memory, self.src_mask = memory, src_mask
-        self.prefix = torch.zeros(rows, 0, dtype=torch.long)
-        self.position = torch.zeros((), dtype=torch.long)
-
-    def reorder(self, rows, sentences=None):
-        self.prefix = self.prefix[rows]
-        if sentences is not None:
-            self.memory, self.src_mask = self.memory[sentences], self.src_mask[sentences]
-
-
-def recomputing_decode_step(model, tokens, cache):
-    """`decode_step` by re-running the full decoder over the whole prefix."""
-    cache.prefix = torch.cat([cache.prefix, tokens], dim=1)
-    beams = cache.prefix.size(0) // cache.memory.size(0)  # one memory row per sentence
-    memory, src_mask = cache.memory.repeat_interleave(beams, 0), cache.src_mask.repeat_interleave(beams, 0)
-    cache.position += tokens.size(1)
-    return model.decoder_states(cache.prefix, memory, src_mask)[:, -tokens.size(1) :]
 
 
 def plain_model(**overrides) -> Transformer:
@@ -74,18 +59,18 @@ def test_incremental_decoding_equals_the_full_decoder(overrides, static):
     )
     mask = model.src_mask(src)
     memory = model.encode(src, mask)
-    full = model.decoder_states(tgt, memory, mask)  # (3, 6, d_model)
+    full = model.decode(tgt, memory, mask)  # (3, 6, d_model)
     cache = DecoderCache(model, memory, mask, rows=3, limit=6, static=static)
-    buffers = {cache.keys[0].data_ptr()}
+    buffers = {cache.layers[0].keys.data_ptr()}
     for t in range(tgt.size(1)):
-        step = decode_step(model, tgt[:, t : t + 1], cache)
+        step = model.decode(tgt[:, t : t + 1], cache=cache)
         torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-10, atol=1e-10)
-        buffers.add(cache.keys[0].data_ptr())
-    assert buffers == {cache.keys[0].data_ptr()}  # room for every position from the start: never moved
+        buffers.add(cache.layers[0].keys.data_ptr())
+    assert buffers == {cache.layers[0].keys.data_ptr()}  # room for every position from the start: never moved
     if not static:  # a prefix of several tokens at once, then the rest, also matches
         cache = DecoderCache(model, memory, mask, rows=3, limit=6, static=False)
-        prefix = decode_step(model, tgt[:, :4], cache)
-        rest = decode_step(model, tgt[:, 4:], cache)
+        prefix = model.decode(tgt[:, :4], cache=cache)
+        rest = model.decode(tgt[:, 4:], cache=cache)
         torch.testing.assert_close(torch.cat([prefix, rest], 1), full, rtol=1e-10, atol=1e-10)
 
 
@@ -100,14 +85,14 @@ def test_a_reorder_moves_every_layers_keys_and_values_with_their_rows(static):
     mask = model.src_mask(src)
     memory = model.encode(src, mask)
     cache = DecoderCache(model, memory, mask, rows=3, limit=4, static=static)
-    decode_step(model, tgt[:, :1], cache)
-    decode_step(model, tgt[:, 1:2], cache)
+    model.decode(tgt[:, :1], cache=cache)
+    model.decode(tgt[:, 1:2], cache=cache)
     index, again = torch.tensor([2, 0, 0]), torch.tensor([1, 2, 0])
     cache.reorder(index, index)  # two in a row: the second picks from the first's rows
     cache.reorder(again, again)
     rows = index[again]
-    step = decode_step(model, tgt[rows, 2:3], cache)
-    expected = model.decoder_states(tgt[rows, :3], memory[rows], mask[rows])[:, 2]
+    step = model.decode(tgt[rows, 2:3], cache=cache)
+    expected = model.decode(tgt[rows, :3], memory[rows], mask[rows])[:, 2]
     torch.testing.assert_close(step[:, 0], expected, rtol=1e-10, atol=1e-10)
 
 
@@ -120,7 +105,9 @@ def teacher_forced_score(
     y = tokens if len(tokens) == max_len else tokens + [EOS_ID]
     memory = model.encode(src, model.src_mask(src))
     tgt_in = torch.tensor([[BOS_ID] + y[:-1]])
-    log_probs = model.decode(tgt_in, memory, model.src_mask(src)).log_softmax(-1)[0]  # (|Y|, V)
+    log_probs = model.project(model.decode(tgt_in, memory, model.src_mask(src))).log_softmax(-1)[
+        0
+    ]  # (|Y|, V)
     return sum(float(log_probs[i, t]) for i, t in enumerate(y)) / ((5 + len(y)) / 6) ** alpha
 
 
@@ -145,26 +132,22 @@ def test_beam_of_one_without_length_penalty_is_greedy(beam_search_fn):
 
 @BEAM_SEARCHES
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
-def test_cached_decoding_equals_recomputing_the_prefix(beam_search_fn, alpha, monkeypatch):
+def test_each_score_is_that_of_its_tokens_by_teacher_forcing(beam_search_fn, alpha):
+    """The cached decoder's scores against one full decode of each output (tests/test_beam_reference.py
+    checks the tokens against a search that recomputes every prefix)."""
     model = tiny_model()
     src = sources([4, 8, 2, 6], 24)
     searches = (
-        lambda: beam_search_fn(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5),
-        lambda: beam_search_fn(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=5),  # greedy
+        (alpha, lambda: beam_search_fn(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5)),
+        (0.0, lambda: beam_search_fn(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=5)),
     )
-    for run in searches:
-        cached = run()
-        with monkeypatch.context() as patch:
-            patch.setattr(searching, "DecoderCache", PrefixCache)
-            patch.setattr(searching, "decode_step", recomputing_decode_step)
-            recomputed = run()
-        assert cached.tokens == recomputed.tokens
-        torch.testing.assert_close(cached.scores, recomputed.scores, rtol=1e-10, atol=1e-10)
-        # and each score is that of its tokens (src lengths + EOS + 5 = the maximum output lengths)
-        penalty = alpha if run is searches[0] else 0.0
-        for row, (tokens, limit) in enumerate(zip(cached.tokens, [10, 14, 8, 12])):
+    for penalty, run in searches:
+        result = run()
+        assert len({len(t) for t in result.tokens}) > 1
+        # src lengths + EOS + 5 = the maximum output lengths
+        for row, (tokens, limit) in enumerate(zip(result.tokens, [10, 14, 8, 12])):
             expected = teacher_forced_score(model, src[row], tokens, limit, penalty)
-            assert float(cached.scores[row]) == pytest.approx(expected, abs=1e-5)
+            assert float(result.scores[row]) == pytest.approx(expected, abs=1e-5)
 
 
 @torch.no_grad()
@@ -181,7 +164,8 @@ def brute_force(model: Transformer, src: torch.Tensor, max_len: int, alpha: floa
         scored = []
         for y in outputs:
             tgt_in = torch.tensor([[BOS_ID] + y[:-1]])
-            log_probs = model.decode(tgt_in, memory, model.src_mask(one)).log_softmax(-1)[0]  # (|Y|, V)
+            states = model.decode(tgt_in, memory, model.src_mask(one))
+            log_probs = model.project(states).log_softmax(-1)[0]  # (|Y|, V)
             log_p = sum(float(log_probs[i, t]) for i, t in enumerate(y))
             scored.append((log_p / ((5 + len(y)) / 6) ** alpha, [t for t in y if t != EOS_ID]))
         best.append(max(scored))
@@ -254,8 +238,8 @@ def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
 def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, step, min_len, n):
     """The n best of a projection made chunk by chunk (each chunk's own log-softmax and log-sum-exp)
     are torch.topk of the log-softmax over the whole vocabulary, PAD, BOS (and EOS before min_len) out."""
-    monkeypatch.setattr(searching, "VOCAB_CHUNK", chunk)
-    chunks = searching.vocab_chunks(40, torch.device("cpu"))
+    monkeypatch.setattr(search_module, "VOCAB_CHUNK", chunk)
+    chunks = vocab_chunks(40, torch.device("cpu"))
     assert chunks[0][0] == 0 and chunks[-1][1] == 40 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     assert len(chunks) == math.ceil(40 / chunk) and len({end - start for start, end in chunks[:-1]}) <= 1
     model = tiny_model(vocab=40, seed=3)
@@ -263,13 +247,13 @@ def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, 
     expected = model.project(states).log_softmax(dim=-1)  # (5, 40)
     expected[:, [PAD_ID, BOS_ID, EOS_ID] if step <= min_len else [PAD_ID, BOS_ID]] = float("-inf")
     values, index = expected.topk(n, dim=-1)
-    got_values, got_index = searching._best_next(model, states, torch.tensor(step), min_len, n)
+    got_values, got_index = best_next_tokens(states, model.embed.weight, torch.tensor(step), min_len, n)
     assert torch.equal(got_index, index)
     torch.testing.assert_close(got_values, values.float(), rtol=1e-6, atol=1e-6)
-    monkeypatch.setattr(searching, "VOCAB_CHUNK", 8192)
+    monkeypatch.setattr(search_module, "VOCAB_CHUNK", 8192)
     src = sources([3, 7, 5], 40)
     whole = beam_search(model, src, beam_size=3, max_len_b=6)
-    monkeypatch.setattr(searching, "VOCAB_CHUNK", chunk)
+    monkeypatch.setattr(search_module, "VOCAB_CHUNK", chunk)
     chunked = beam_search(model, src, beam_size=3, max_len_b=6)
     assert chunked.tokens == whole.tokens
     torch.testing.assert_close(chunked.scores, whole.scores, rtol=1e-6, atol=1e-6)
@@ -281,9 +265,10 @@ def test_float32_search_with_the_cpu_kernels_and_packed_weights_equals_the_plain
     model = tiny_model(seed=5, dtype=torch.float32)
     src = sources([9, 2, 5, 1], 24, seed=6)
     plain = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
-    apply_cpu_kernels(model)
-    with prepacked(search_weights(model)):
-        fast = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
+    kernels = Kernels.for_device(torch.device("cpu"))
+    fast_model = kernels.apply(model)
+    with kernels.products.prepacked(search_weights(fast_model)):
+        fast = beam_search(fast_model, src, beam_size=3, alpha=0.6, max_len_b=6, linear=kernels.products)
     assert fast.tokens == plain.tokens and len({len(t) for t in fast.tokens}) > 1
     torch.testing.assert_close(fast.scores, plain.scores, rtol=1e-5, atol=1e-5)
 
@@ -395,39 +380,44 @@ class _NoHostValues(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def state_tensors(obj: object, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor a search holds (its beams, its cache), found through attributes, lists, tuples and
+    dicts; not the model's."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, str, int, float, bool, type(None))):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else None
+    if items is None:
+        items = vars(obj).values() if hasattr(obj, "__dict__") else []
+    return [t for item in items for t in state_tensors(item, seen)]
+
+
 @torch.inference_mode()  # as beam_search runs its steps
-def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory(monkeypatch):
+def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory():
     """What a CUDA graph replays must be the same kernels on the same memory: a static step (checked op
-    by op) reads no device value, and it leaves every state tensor where it was, except the
+    by op) reads no device value, and every tensor of the search's state stays where it was, except the
     self-attention cache, which swaps between two pairs of buffers (two graphs, replayed in turn)."""
     model = tiny_model(seed=2)
-    seen = []
+    search = BeamSearch(model, sources([4, 7, 2], 24), 3, 0.6, (1.0, 5), 5, True, F.linear)
 
-    def layout(tensors: list[torch.Tensor]) -> list[tuple]:
-        return [(t.data_ptr(), t.shape, t.stride()) for t in tensors]
+    def layout() -> list[tuple]:
+        return [(t.data_ptr(), tuple(t.shape), t.stride()) for t in state_tensors(search)]
 
-    def checked(model, cache, beams, *args, **kwargs):
-        state = [t for t in vars(beams).values() if isinstance(t, torch.Tensor)]
-        fixed = layout(state + [t for kv in cache.cross for t in kv] + [cache.position, cache.key_mask])
+    layouts = [layout()]
+    for _ in range(5):
         with _NoHostValues():
-            step(model, cache, beams, *args, **kwargs)
-        assert (
-            layout(state + [t for kv in cache.cross for t in kv] + [cache.position, cache.key_mask]) == fixed
-        )
-        seen.append(
-            (
-                layout(cache.keys + cache.values + [t for pair in cache.spare for t in pair]),
-                int(cache.position),
-            )
-        )
-
-    step = searching._step
-    monkeypatch.setattr(searching, "_step", checked)
-    static_beam_search(model, sources([4, 7, 2], 24), beam_size=3, alpha=0.6, max_len_b=5, min_len=5)
-    caches = [layout for layout, _ in seen]
-    assert [position for _, position in seen] == list(range(1, len(seen) + 1)) and len(seen) >= 4
-    assert caches[0] == caches[2] == caches[4 % len(caches)] and caches[1] == caches[3]  # two layouts in turn
-    assert caches[0] != caches[1] and sorted(caches[0]) == sorted(caches[1])  # the same buffers swapped
+            search.step()
+        layouts.append(layout())
+    assert int(search.cache.position) == 5 and not search.done()  # min_len 5: nobody finished
+    assert layouts[1] == layouts[3] == layouts[5] and layouts[2] == layouts[4]  # two layouts in turn
+    assert layouts[1] != layouts[2] and sorted(layouts[1]) == sorted(layouts[2])  # buffers trade places
+    while not search.done():  # the rest of the search: the result of beam_search
+        search.step()
+    static = beam_search(model, sources([4, 7, 2], 24), 3, 0.6, 1.0, 5, min_len=5, static=True)
+    assert search.result().tokens == static.tokens and len(static.tokens[1]) > 5
     # the mode does catch a host read
     with pytest.raises(AssertionError, match="_local_scalar_dense"), _NoHostValues():
         bool(torch.ones(2).sum() > 0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sacrebleu.metrics import BLEU
 
-from transformer.checkpoint import atomic_save, load_checkpoint
+from transformer.checkpoint import load_checkpoint, write_checkpoint
 from transformer.config import ConfigError, DataConfig
 from transformer.evaluation import (
     lowercase_bleu,
@@ -185,7 +185,7 @@ def test_evaluate_without_data_scores_the_corpus_the_checkpoint_was_trained_on(t
     trained_on = {"name": "multi30k", "source": "local", "path": str(tmp_path / "moved"), "lowercase": True}
     ckpt["config"] = {"data": {**trained_on, "local_splits": {"test": "test_2016_flickr", "train": "train"}}}
     checkpoint = tmp_path / "checkpoint_last.pt"
-    atomic_save(ckpt, checkpoint)
+    write_checkpoint(ckpt, checkpoint)
     command = [
         sys.executable,
         str(ROOT / "scripts" / "evaluate.py"),

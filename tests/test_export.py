@@ -13,14 +13,15 @@ import pytest
 import torch
 from conftest import make_tiny_checkpoint
 
-from transformer.checkpoint import atomic_save, load_checkpoint, model_from_checkpoint
+from transformer.checkpoint import load_checkpoint, model_from_checkpoint, write_checkpoint
 from transformer.config import ConfigError, ModelConfig, ToyConfig, TranslateConfig
 from transformer.data import toy
-from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import greedy_search
 from transformer.export.ctranslate2 import export_ctranslate2
 from transformer.export.huggingface import export_huggingface
 from transformer.translation import Translator
+from transformer.vocab import EOS_ID, PAD_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["The cat sees the house.", "A dog likes a red ball.", "My friend finds the old tree.", "Ein Hund."]
@@ -36,7 +37,7 @@ def checkpoint(tmp_path_factory) -> Path:
     for name, tensor in ckpt["model"].items():
         if name.startswith(("embed", "decoder")) and "norm" not in name:
             tensor.mul_(3.0)
-    atomic_save(ckpt, path)
+    write_checkpoint(ckpt, path)
     return path
 
 
@@ -156,7 +157,10 @@ def test_the_export_command_refuses_mistakes_in_one_line(checkpoint, tmp_path):
             [f"out={tmp_path / 'q'}", "format=huggingface", "quantization=int8"],
             "applies to format=ctranslate2",
         ),
-        ([f"out={tmp_path / 'q'}", "format=onnx"], "format='onnx' must be one of ctranslate2, huggingface"),
+        (
+            [f"out={tmp_path / 'q'}", "format=onnx"],
+            "format='onnx' must be one of 'ctranslate2' or 'huggingface'",
+        ),
         ([], "out=DIR is required"),
     ]:
         done = export(f"checkpoint={checkpoint}", *args)

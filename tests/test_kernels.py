@@ -1,22 +1,40 @@
 """The CPU kernels (transformer/kernels/): oneDNN linear maps, forward and backward, against the explicit
 float64 math; written-out short attention and noise dropout against their plain counterparts; and the
-module swaps of apply_cpu_kernels, which keep the model's parameters, keys and outputs."""
+module replacements of `Kernels.apply`, which keep the model's parameters, keys and outputs and leave
+the model they copy untouched."""
 
 import math
 
 import pytest
 import torch
 from conftest import sdpa_calls, sources
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.attention import MultiHeadAttention
 from transformer.config import ModelConfig
-from transformer.kernels import apply_cpu_kernels, linear, prepacked
-from transformer.kernels import onednn as linear_module
+from transformer.kernels import Kernels, Products
 from transformer.kernels.cpu import SHORT_KEYS, NoiseDropout, ShortAttention
-from transformer.kernels.onednn import OneDNNLinear
 from transformer.model import Transformer
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+linear = Products(onednn=True)
+CPU = Kernels.for_device(torch.device("cpu"))
+
+
+class OpsCalled(TorchDispatchMode):
+    """The ATen ops run within the block, by name, with the layouts of their tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[torch.layout]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        layouts = [a.layout for a in args if isinstance(a, torch.Tensor)]
+        self.calls.append((func.overloadpacket.__name__, layouts))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return sum(called == name for called, _ in self.calls)
 
 
 @onednn
@@ -61,13 +79,19 @@ def test_strided_input_weight_update_and_inference_path():
         torch.testing.assert_close(linear(x, w, relu=True), (x @ w.T).clamp(min=0), rtol=1e-5, atol=1e-5)
 
 
-def test_other_dtypes_and_the_global_switch_fall_back_to_f_linear():
+def test_other_dtypes_the_global_switch_and_plain_products_fall_back_to_f_linear():
     x, w = torch.randn(4, 8, dtype=torch.float64, requires_grad=True), torch.randn(3, 8, dtype=torch.float64)
     assert type(linear(x, w).grad_fn).__name__ != "_OneDNNLinearBackward"
     torch.testing.assert_close(linear(x, w, relu=True), (x @ w.T).clamp(min=0))
+    x32, w32 = x.detach().float().requires_grad_(), w.float()
     with torch.backends.mkldnn.flags(enabled=False):
-        y = linear(x.detach().float().requires_grad_(), w.float())
+        y = linear(x32, w32)
     assert type(y.grad_fn).__name__ != "_OneDNNLinearBackward"
+    plain = Products(onednn=False)
+    assert type(plain(x32, w32).grad_fn).__name__ != "_OneDNNLinearBackward"
+    torch.testing.assert_close(
+        plain.weight_grad(x32.detach(), torch.ones(4, 2)), x32.detach().T @ torch.ones(4, 2)
+    )
 
 
 def test_no_rows_give_no_rows_and_zero_weight_gradients():
@@ -81,8 +105,11 @@ def test_no_rows_give_no_rows_and_zero_weight_gradients():
 
 
 def test_module_keeps_nn_linear_parameters_and_keys():
-    layer = OneDNNLinear(8, 3)
+    plain = torch.nn.Linear(8, 3)
+    layer = CPU.apply(plain)
+    assert type(layer).__name__ == "OneDNNLinear" and type(plain) is torch.nn.Linear
     assert isinstance(layer, torch.nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
+    assert layer.weight is plain.weight and layer.bias is plain.bias
     x = torch.randn(2, 8)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
@@ -100,19 +127,30 @@ def test_prepacked_weights_give_the_same_products_and_follow_in_place_changes():
     g = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(6, 24, generator=g), torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
     chunk = w[8:24]  # a view (a vocabulary chunk) is packed on its own
+    products = Products(onednn=True)
     with torch.no_grad():
-        plain, plain_chunk = linear(x, w, b, relu=True), linear(x, chunk)
-        with prepacked([w, chunk, torch.randn(3, 4, dtype=torch.float64)]):
-            assert len(linear_module._packed) == 2  # float32 CPU weights only
-            packed = linear_module._packed[linear_module._key(w)].blocked
-            assert packed.layout == torch._mkldnn  # oneDNN's own blocked copy
-            torch.testing.assert_close(linear(x, w, b, relu=True), plain, rtol=1e-6, atol=1e-5)
-            torch.testing.assert_close(linear(x, chunk), plain_chunk, rtol=1e-6, atol=1e-5)
-            with prepacked([w]):  # nested: the copy already made is reused
-                assert linear_module._packed[linear_module._key(w)].blocked is packed
+        plain, plain_chunk = products(x, w, b, relu=True), products(x, chunk)
+        with OpsCalled() as entry, products.prepacked([w, chunk, torch.randn(3, 4, dtype=torch.float64)]):
+            assert entry.count("_reorder_linear_weight") == 2  # float32 CPU weights only, once each
+            with OpsCalled() as ops:
+                torch.testing.assert_close(products(x, w, b, relu=True), plain, rtol=1e-6, atol=1e-5)
+                torch.testing.assert_close(products(x, chunk), plain_chunk, rtol=1e-6, atol=1e-5)
+                with products.prepacked([w]):  # nested: the copy already made is reused
+                    pass
+            assert ops.count("_reorder_linear_weight") == 0  # oneDNN's own blocked copies, made on entry
+            assert [
+                torch._mkldnn in layouts for name, layouts in ops.calls if name == "_linear_pointwise"
+            ] == [
+                True,
+                True,
+            ]
             w.mul_(2.0)  # changed in place: the stale copy must not be used
-            torch.testing.assert_close(linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)
-        assert linear_module._packed == {}
+            torch.testing.assert_close(products(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)
+        with OpsCalled() as after:  # outside the block: plain weights again
+            products(x, chunk)
+        assert [torch._mkldnn in layouts for name, layouts in after.calls if name == "_linear_pointwise"] == [
+            False
+        ]
 
 
 @pytest.mark.parametrize("kind", ["encoder_self", "decoder_self", "cross"])
@@ -127,7 +165,7 @@ def test_short_attention_is_written_out_and_longer_attention_fused(kind, monkeyp
     if key_mask is not None:
         key_mask[1, -2:] = False
     expected = attn(x, memory, key_mask)  # the plain module: the fused kernel
-    apply_cpu_kernels(attn)
+    attn = CPU.apply(attn)
     assert type(attn) is ShortAttention
     for grad in (True, False):  # 5 or 7 keys: written out (at inference also a few queries)
         with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
@@ -166,13 +204,15 @@ def test_dropout_zeroes_each_unit_with_probability_p_and_scales_the_rest(dropout
 def test_the_cpu_kernels_keep_the_parameters_keys_outputs_and_gradients(overrides):
     cfg = ModelConfig(vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.1, **overrides)
     torch.manual_seed(0)
-    plain, fast = Transformer(cfg), Transformer(cfg)
-    fast.load_state_dict(plain.state_dict())
-    before = list(fast.parameters())
-    apply_cpu_kernels(fast)
+    plain, model = Transformer(cfg), Transformer(cfg)
+    model.load_state_dict(plain.state_dict())
+    fast = CPU.apply(model)
     assert {type(m).__name__ for m in fast.modules()} >= {"OneDNNLinear", "NoiseDropout", "ShortAttention"}
+    assert {type(m).__name__ for m in model.modules()}.isdisjoint(
+        {"OneDNNLinear", "ShortAttention"}
+    )  # as it was
     assert fast.state_dict().keys() == plain.state_dict().keys()
-    assert all(a is b for a, b in zip(before, fast.parameters(), strict=True))  # the same tensors
+    assert all(a is b for a, b in zip(model.parameters(), fast.parameters(), strict=True))  # the same tensors
     src, tgt = sources([5, 3, 7], 40), sources([4, 6, 2], 40)
     for model in (plain, fast):
         model.eval()  # dropout off: the two draw their masks differently
@@ -197,7 +237,7 @@ def test_int8_products_are_the_8_bit_weights_times_the_input_within_the_activati
     w8 = (w / scale).round().clamp(-127, 127) * scale  # (N, K): what the 8-bit weights stand for
     expected = x @ w8.T + b
     bound = (x.max() - x.min()) / 127 / 2 * w8.abs().sum(dim=1)  # (N,): 7-bit activations, the coarser case
-    with torch.inference_mode(), prepacked([(w, b)], int8=True):
+    with torch.inference_mode(), linear.prepacked([(w, b)], int8=True):
         y = linear(x, w, b, relu=relu)
         with pytest.raises(ValueError, match="another bias"):
             linear(x, w, torch.zeros(40))
@@ -212,11 +252,11 @@ def test_int8_packing_follows_in_place_changes_and_the_innermost_blocks_precisio
     g = torch.Generator().manual_seed(1)
     x, w, b = torch.randn(5, 32, generator=g), torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
     with torch.inference_mode():
-        with prepacked([(w, b)], int8=True):
+        with linear.prepacked([(w, b)], int8=True):
             int8 = linear(x, w, b)
         assert not torch.allclose(int8, x @ w.T + b, atol=1e-5)  # rounded: the 8-bit path was taken
-        with prepacked([w]), prepacked([(w, b)], int8=True):  # the inner block's precision wins
+        with linear.prepacked([w]), linear.prepacked([(w, b)], int8=True):  # the inner block's precision wins
             torch.testing.assert_close(linear(x, w, b), int8)
-        with prepacked([(w, b)], int8=True):
+        with linear.prepacked([(w, b)], int8=True):
             b.add_(1.0)  # the packed bias changed in place: the float product, with the new bias
             torch.testing.assert_close(linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)

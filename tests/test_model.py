@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from conftest import sdpa_calls
 
 from transformer.attention import MultiHeadAttention
+from transformer.checkpoint import current_names
 from transformer.config import ConfigError, ModelConfig
 from transformer.layers import EncoderLayer, sinusoidal_table
 from transformer.model import Transformer
-from transformer.visualize import record_attention
+from transformer.visualize import recording
 
 PAD = 0
 
@@ -83,13 +84,13 @@ def test_fused_and_written_out_attention_match_explicit_math(kind, n_kv_heads):
         )
     expected = explicit_attention(x, kv_in, w_q, w_k, w_v, attn.w_o.weight, 4, n_kv_heads, mask)
     torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)  # fused
-    with record_attention(attn) as records:
-        reference = attn(x, memory, key_mask)
+    recorder, records = recording(attn)
+    reference = recorder(x, memory, key_mask)
     assert (
         len(records) == 1 and records[0].kind == kind and records[0].weights.shape == (2, 4, 5, mask.size(-1))
     )
     torch.testing.assert_close(reference, expected, rtol=1e-10, atol=1e-12)
-    assert type(attn) is MultiHeadAttention  # the recording is undone
+    assert type(attn) is MultiHeadAttention  # the module itself is untouched
 
 
 def test_whole_model_fused_equals_written_out_attention(monkeypatch):
@@ -98,8 +99,8 @@ def test_whole_model_fused_equals_written_out_attention(monkeypatch):
     with sdpa_calls(monkeypatch) as calls:
         fast = model(src, tgt)
     assert len(calls) == 6  # 2 encoder and 2 x 2 decoder layers
-    with record_attention(model) as records:
-        reference = model(src, tgt)
+    recorder, records = recording(model)
+    reference = recorder(src, tgt)
     kinds = sorted({(r.kind, r.layer) for r in records})
     assert kinds == sorted((k, i) for k in ("encoder_self", "decoder_self", "cross") for i in range(2))
     torch.testing.assert_close(fast, reference, rtol=1e-10, atol=1e-10)
@@ -121,8 +122,8 @@ def test_padding_gets_zero_weight_and_pad_contents_do_not_matter():
     model = tiny()
     src, tgt = batch()
     pad = src == PAD
-    with record_attention(model) as records:
-        out = model(src, tgt)
+    recorder, records = recording(model)
+    out = recorder(src, tgt)
     for r in records:
         if r.kind in ("encoder_self", "cross"):
             assert (r.weights.masked_select(pad[:, None, None, :].expand_as(r.weights)) == 0).all()
@@ -132,7 +133,7 @@ def test_padding_gets_zero_weight_and_pad_contents_do_not_matter():
     memory = model.encode(src)
     memory_other = model.encode(other, mask)
     torch.testing.assert_close(memory_other[mask], memory[mask], rtol=0, atol=1e-12)
-    torch.testing.assert_close(model.decode(tgt, memory_other, mask), out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.project(model.decode(tgt, memory_other, mask)), out, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +156,7 @@ def test_embeddings_and_output_projection_share_one_tensor():
     weight = model.embed.tokens.weight
     assert model.embed.weight is weight
     assert sum(p.shape == weight.shape for p in model.parameters()) == 1  # no second (V, d_model) matrix
-    states = model.decoder_states(tgt, model.encode(src), model.src_mask(src)).detach()
+    states = model.decode(tgt, model.encode(src), model.src_mask(src)).detach()
     with torch.no_grad():
         weight[5] += 1.0  # a copy made at construction would not follow
     torch.testing.assert_close(model.project(states), states @ weight.T)
@@ -197,7 +198,7 @@ def test_residual_and_layer_norm_placement(norm_first):
     def ffn(h):
         return layer.ffn.w_2(F.relu(layer.ffn.w_1(h)))
 
-    ln1, ln2 = layer.res_attn.norm, layer.res_ffn.norm
+    ln1, ln2 = layer.res_self.norm, layer.res_ffn.norm
     if norm_first:  # x + Sublayer(LayerNorm(x))
         h = x + attn(ln1(x))
         expected = h + ffn(ln2(h))
@@ -278,11 +279,14 @@ def test_each_initialisation_scheme_draws_every_weight_from_its_formula(init):
 
 def test_xavier_initialisation_is_the_same_as_before_the_schemes_existed():
     """`model.init=xavier` keeps, for the same seed, the very weights of the single scheme before
-    (tests/data/xavier_init_seed0.pt: written by that code with this seed and configuration)."""
+    (tests/data/xavier_init_seed0.pt: written by that code with this seed and configuration, before
+    the encoder's `res_attn` became `res_self`)."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=40, d_model=16, n_heads=4, d_ff=24, n_layers=2, n_kv_heads=2, max_positions=8)
     model = Transformer(ModelConfig(**cfg, positional="learned", init="xavier"))
     before = torch.load(Path(__file__).parent / "data" / "xavier_init_seed0.pt", weights_only=True)
+    assert any(".res_attn." in key for key in before)
+    before = current_names(before)
     after = model.state_dict()
     assert after.keys() == before.keys()
     for name, tensor in before.items():
@@ -292,11 +296,11 @@ def test_xavier_initialisation_is_the_same_as_before_the_schemes_existed():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"d_model": 500, "n_heads": 8}, "d_model=500 is not divisible by n_heads=8"),
-        ({"n_kv_heads": 3}, "n_heads=8 must be a multiple of n_kv_heads=3"),
-        ({"dropout": 1.5}, "model.dropout=1.5"),
-        ({"positional": "rotary"}, "model.positional='rotary'"),
-        ({"init": "kaiming"}, "model.init='kaiming' must be 't2t', 'fairseq' or 'xavier'"),
+        ({"d_model": 500, "n_heads": 8}, "^model.d_model=500 is not divisible by model.n_heads=8"),
+        ({"n_kv_heads": 3}, "^model.n_kv_heads=3 must divide model.n_heads=8$"),
+        ({"dropout": 1.5}, r"^model.dropout=1.5 must be in \[0, 1\)$"),
+        ({"positional": "rotary"}, "^model.positional='rotary' must be one of 'sinusoidal' or 'learned'$"),
+        ({"init": "kaiming"}, "^model.init='kaiming' must be one of 't2t', 'fairseq' or 'xavier'$"),
     ],
 )
 def test_invalid_model_config_gives_clear_message(kwargs, message):

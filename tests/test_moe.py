@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from transformer.config import ConfigError, ModelConfig
 from transformer.model import Transformer
-from transformer.moe import MixtureOfExperts, auxiliary_loss
+from transformer.moe import MixtureOfExperts, Routing, load_balancing_loss
 from transformer.training.loss import Seq2SeqLoss
 
 D_MODEL, D_FF = 8, 16
@@ -63,14 +63,13 @@ def mixture(experts=4, top_k=2, capacity=1.0, seed=0):
 @pytest.mark.parametrize("experts, top_k, capacity", [(4, 2, 1.0), (4, 1, 1.0), (3, 2, 0.5), (4, 2, 4.0)])
 def test_training_forward_routes_combines_and_drops_as_the_token_loop(experts, top_k, capacity):
     moe, x = mixture(experts, top_k, capacity)
-    moe.train()
-    out = moe(x)
+    out, stats = moe.route(x, None)
     limit = math.ceil(capacity * x.shape[0] * x.shape[1] * top_k / experts)
     expected, dropped, aux, _, _ = reference(moe, x, limit)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    assert moe.dropped.item() == dropped and moe.assignments.item() == 21 * top_k
+    assert stats.dropped.item() == dropped and stats.assignments.item() == 21 * top_k
     assert (dropped > 0) == (capacity < 4.0)  # the small capacities drop, the large one never does
-    assert moe.aux_loss.item() == pytest.approx(aux, rel=1e-5)
+    assert stats.loss.item() == pytest.approx(aux, rel=1e-5)
 
 
 def test_padding_takes_no_place_and_no_share_of_the_load():
@@ -78,18 +77,16 @@ def test_padding_takes_no_place_and_no_share_of_the_load():
     moe, x = mixture(capacity=0.5)
     real = torch.ones(3, 7, dtype=torch.bool)
     real[0, 4:], real[2, 2:] = False, False  # 13 real tokens of 21
-    moe.real = real
-    moe.train()
-    out = moe(x)
+    out, stats = moe.route(x, real)
     expected, dropped, aux, _, _ = reference(moe, x, math.ceil(0.5 * 13 * 2 / 4), real)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     assert out[~real].abs().max() == 0
-    assert moe.dropped.item() == dropped and moe.assignments.item() == 13 * 2
-    assert moe.aux_loss.item() == pytest.approx(aux, rel=1e-5)
+    assert stats.dropped.item() == dropped and stats.assignments.item() == 13 * 2
+    assert stats.loss.item() == pytest.approx(aux, rel=1e-5)
 
 
 def test_in_the_model_extra_padding_changes_neither_the_routing_nor_the_objective():
-    """The model shows each stack's padding to its mixtures: padding a batch further leaves the
+    """The objective shows each stack's padding to its mixtures: padding a batch further leaves the
     training loss, load-balancing term and capacity drops included, as it was; in a copy of the model,
     in eager mode and compiled."""
     cfg = ModelConfig(
@@ -106,19 +103,27 @@ def test_in_the_model_extra_padding_changes_neither_the_routing_nor_the_objectiv
     src, tgt = torch.randint(4, 50, (2, 5)), torch.randint(4, 50, (2, 6))
     src[1, 3:], tgt[1, 4:] = 0, 0
     padded = F.pad(src, (0, 3)), F.pad(tgt, (0, 2)), F.pad(tgt, (0, 2))
-    model = copy.deepcopy(Transformer(cfg))
-    mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    model = copy.deepcopy(Transformer(cfg)).train()
+
+    def stats(src, tgt):  # each layer's routing, as the objective asks for it
+        routed = []
+        memory = model.encode(src, model.src_mask(src), Routing(src != 0, routed))
+        model.decode(tgt, memory, model.src_mask(src), routing=Routing(tgt != 0, routed))
+        return [(s.assignments.item(), s.dropped.item()) for s in routed]
+
+    assert [a for a, _ in stats(src, tgt)] == [8 * 2] * 2 + [10 * 2] * 2  # real tokens x top_k
+    assert sum(d for _, d in stats(src, tgt)) > 0 and stats(*padded[:2]) == stats(
+        src, tgt
+    )  # the capacity binds
     for objective in (
         Seq2SeqLoss(model, 0.1).train(),
         torch.compile(Seq2SeqLoss(model, 0.1).train(), backend="aot_eager"),
     ):
-        loss, _ = objective(src, tgt, tgt)
-        drops = [m.dropped.item() for m in mixtures]
-        assert [m.assignments.item() for m in mixtures] == [8 * 2] * 2 + [10 * 2] * 2  # real tokens x top_k
-        assert sum(drops) > 0  # the capacity binds
-        longer, _ = objective(*padded)
+        loss, _, figures = objective(src, tgt, tgt)
+        assert figures["moe_dropped"].item() > 0
+        longer, _, longer_figures = objective(*padded)
         assert longer.item() == pytest.approx(loss.item(), rel=1e-5)
-        assert [m.dropped.item() for m in mixtures] == drops
+        assert longer_figures["moe_dropped"].item() == figures["moe_dropped"].item()
 
 
 def test_decoding_has_no_capacity_so_a_token_never_depends_on_its_batch():
@@ -127,16 +132,13 @@ def test_decoding_has_no_capacity_so_a_token_never_depends_on_its_batch():
     expected, _, _, _, _ = reference(moe, x, capacity=None)
     torch.testing.assert_close(moe(x).double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(moe(x[1:2]), moe(x)[1:2])
-    assert moe.aux_loss is None
 
 
 def test_the_load_balancing_gradient_is_the_formula():
     """d aux / d logit_{t,j} = (E / N) sum_e f_e p_{t,e} (delta_ej - p_{t,j}); f_e is a count, no
     gradient; d aux / d W_r = sum_t (d aux / d logit_t) x_t^T."""
     moe, x = mixture()
-    moe.train()
-    moe(x)
-    moe.aux_loss.backward()
+    moe.route(x, None)[1].loss.backward()
     _, _, _, probs, first = reference(moe, x, capacity=None)
     p, f = torch.tensor(probs, dtype=torch.float64), torch.tensor(first, dtype=torch.float64)
     n, n_experts = p.shape
@@ -149,9 +151,7 @@ def test_an_even_load_scores_one_and_the_objective_adds_the_weighted_sum_over_la
     moe, x = mixture(experts=2, top_k=1)
     with torch.no_grad():
         moe.router.weight.zero_()  # every probability 1/2: f and P even whatever the ties
-    moe.train()
-    moe(x)
-    assert moe.aux_loss.item() == pytest.approx(1.0)
+    assert moe.route(x, None)[1].loss.item() == pytest.approx(1.0)
 
     # capacity for every assignment, so that training and validation route alike
     cfg = dict(vocab_size=50, d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0)
@@ -160,13 +160,19 @@ def test_an_even_load_scores_one_and_the_objective_adds_the_weighted_sum_over_la
     model = Transformer(ModelConfig(**cfg, moe_aux_loss=0.0))
     src, tgt = torch.randint(4, 50, (2, 5)), torch.randint(4, 50, (2, 6))
     tgt[1, 4:] = 0  # padding targets do not count
-    plain, nll = Seq2SeqLoss(model, 0.1).train()(src, tgt, tgt)
-    aux = auxiliary_loss(model)
-    assert len([m for m in model.modules() if isinstance(m, MixtureOfExperts)]) == 4
+    plain, nll, _ = Seq2SeqLoss(model, 0.1).train()(src, tgt, tgt)
+    routed = []
+    memory = model.encode(src, model.src_mask(src), Routing(src != 0, routed))
+    model.decode(tgt, memory, model.src_mask(src), routing=Routing(tgt != 0, routed))
+    aux = load_balancing_loss(routed)
+    assert len(routed) == 4 and aux.item() == pytest.approx(sum(s.loss.item() for s in routed))
     model.cfg.moe_aux_loss = 0.5
-    weighted, _ = Seq2SeqLoss(model, 0.1).train()(src, tgt, tgt)
+    weighted, _, _ = Seq2SeqLoss(model, 0.1).train()(src, tgt, tgt)
     assert weighted.item() == pytest.approx(plain.item() + 0.5 * aux.item() * 10, rel=1e-6)
-    evaluated, eval_nll = Seq2SeqLoss(model, 0.1).eval()(src, tgt, tgt)  # validation: no auxiliary term
+    evaluated, eval_nll, figures = Seq2SeqLoss(model, 0.1).eval()(
+        src, tgt, tgt
+    )  # validation: no auxiliary term
+    assert figures == {}
     assert evaluated.item() == pytest.approx(plain.item(), rel=1e-6)
     assert eval_nll.item() == pytest.approx(nll.item(), rel=1e-6)
 

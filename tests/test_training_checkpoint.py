@@ -21,7 +21,7 @@ from transformer.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     model_from_checkpoint,
-    save_checkpoint,
+    save_numbered,
 )
 from transformer.config import ModelConfig, to_dict
 from transformer.model import Transformer
@@ -52,7 +52,7 @@ def make_checkpoint(step: int, seed: int, cfg: ModelConfig = CFG) -> dict:
 
 def test_save_rotates_keeps_a_last_copy_and_leaves_no_temp_files(tmp_path):
     for step in (10, 20, 30, 40):
-        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=2)
+        save_numbered(make_checkpoint(step, seed=step), tmp_path, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_30.pt", "checkpoint_40.pt"]
     directory = tmp_path / "checkpoints"
     assert sorted(p.name for p in directory.iterdir()) == [
@@ -69,13 +69,13 @@ def test_save_rotates_keeps_a_last_copy_and_leaves_no_temp_files(tmp_path):
 def test_without_hard_links_the_last_checkpoint_is_a_copy_and_a_failed_copy_leaves_no_older_one(
     tmp_path, monkeypatch
 ):
-    save_checkpoint(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
+    save_numbered(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
 
     def no_links(*_args):
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+    save_numbered(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
     directory = tmp_path / "checkpoints"
     last = directory / "checkpoint_last.pt"
     assert not last.samefile(directory / "checkpoint_2.pt")
@@ -88,7 +88,7 @@ def test_without_hard_links_the_last_checkpoint_is_a_copy_and_a_failed_copy_leav
     with pytest.raises(
         CheckpointError, match=r"checkpoint_3\.pt was saved, but copying it to checkpoint_last\.pt failed"
     ):
-        save_checkpoint(make_checkpoint(3, seed=3), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(3, seed=3), tmp_path, keep_last=5)
     assert sorted(p.name for p in directory.iterdir()) == [
         "checkpoint_1.pt",
         "checkpoint_2.pt",
@@ -99,7 +99,7 @@ def test_without_hard_links_the_last_checkpoint_is_a_copy_and_a_failed_copy_leav
 def test_a_save_that_cannot_fit_is_refused_before_writing_and_one_that_fills_the_disk_says_so(
     tmp_path, monkeypatch
 ):
-    save_checkpoint(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
+    save_numbered(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
     directory = tmp_path / "checkpoints"
     size = (directory / "checkpoint_1.pt").stat().st_size
     real_usage = shutil.disk_usage
@@ -107,7 +107,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_one_that_fills_the
     with pytest.raises(
         CheckpointError, match=rf"not enough disk space in {directory} for checkpoint_2\.pt: it needs about"
     ):
-        save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
     assert sorted(p.name for p in directory.iterdir()) == ["checkpoint_1.pt", "checkpoint_last.pt"]
 
     monkeypatch.setattr(shutil, "disk_usage", real_usage)
@@ -119,20 +119,20 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_one_that_fills_the
 
     monkeypatch.setattr(torch, "save", disk_fills_while_writing)
     with pytest.raises(CheckpointError, match=r"not enough disk space .* for checkpoint_2\.pt"):
-        save_checkpoint(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(2, seed=2), tmp_path, keep_last=5)
     assert sorted(p.name for p in directory.iterdir()) == ["checkpoint_1.pt", "checkpoint_last.pt"]  # no temp
     assert (directory / "checkpoint_last.pt").samefile(directory / "checkpoint_1.pt")
 
 
 def test_steps_sort_numerically_not_by_name(tmp_path):
     for step in (9, 10, 100):
-        save_checkpoint(make_checkpoint(step, seed=0), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(step, seed=0), tmp_path, keep_last=5)
     assert [p.name for p in list_checkpoints(tmp_path)][-1] == "checkpoint_100.pt"
 
 
 def test_corrupt_newest_is_reported_and_the_previous_one_used(tmp_path, caplog):
     for step in (1, 2, 3):
-        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
     newest = tmp_path / "checkpoints" / "checkpoint_3.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, e.g. by a full disk
     with caplog.at_level(logging.WARNING):
@@ -154,7 +154,7 @@ def _damage_separately(path: Path) -> None:
 
 def test_the_last_checkpoint_resumes_where_every_numbered_one_is_unreadable(tmp_path, caplog):
     for step in (1, 2):
-        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
     for path in list_checkpoints(tmp_path):
         _damage_separately(path)
     with caplog.at_level(logging.WARNING):
@@ -165,7 +165,7 @@ def test_the_last_checkpoint_resumes_where_every_numbered_one_is_unreadable(tmp_
 
 def test_a_run_whose_checkpoints_are_all_unusable_is_not_restarted_from_scratch(tmp_path):
     for step in (1, 2):
-        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
     for path in [*list_checkpoints(tmp_path), tmp_path / "checkpoints" / "checkpoint_last.pt"]:
         _damage_separately(path)
     with pytest.raises(
@@ -177,7 +177,7 @@ def test_a_run_whose_checkpoints_are_all_unusable_is_not_restarted_from_scratch(
 def test_bytes_changed_after_writing_make_a_checkpoint_unreadable(tmp_path, caplog):
     """torch.load does not check the CRC-32s of its zip archive; load_checkpoint does."""
     for step in (1, 2):
-        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
     newest = tmp_path / "checkpoints" / "checkpoint_2.pt"
     data = bytearray(newest.read_bytes())
     middle = data.index(b"PK\x03\x04", len(data) // 2) - 64  # inside the bytes of an entry
@@ -226,7 +226,7 @@ def test_average_refuses_different_models(tmp_path):
 
 def test_average_script(tmp_path):
     for step in (10, 20, 30):
-        save_checkpoint(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
+        save_numbered(make_checkpoint(step, seed=step), tmp_path, keep_last=5)
     script = ROOT / "scripts" / "average_checkpoints.py"
     done = subprocess.run(
         [sys.executable, script, "--run-dir", tmp_path, "--last", "2"], capture_output=True, text=True
@@ -248,9 +248,9 @@ def test_average_script(tmp_path):
 
 
 def test_a_checkpoint_without_resume_state_is_not_resumed_from(tmp_path, caplog):
-    save_checkpoint(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
+    save_numbered(make_checkpoint(1, seed=1), tmp_path, keep_last=5)
     averaged = {k: v for k, v in make_checkpoint(2, seed=2).items() if k not in ("optimizer", "rng")}
-    save_checkpoint(averaged, tmp_path, keep_last=5)
+    save_numbered(averaged, tmp_path, keep_last=5)
     with caplog.at_level(logging.WARNING):
         path, _ = latest_checkpoint(tmp_path)
     assert path.name == "checkpoint_1.pt"
@@ -265,8 +265,8 @@ def test_a_checkpoint_of_older_settings_loads_as_written_and_averages(tmp_path):
     old["model_config"]["pad_id"] = 0
     del old["model_config"]["init"]
     old["config"] = {"model": {**old["model_config"]}}
-    save_checkpoint(old, tmp_path, keep_last=5)
-    save_checkpoint(
+    save_numbered(old, tmp_path, keep_last=5)
+    save_numbered(
         make_checkpoint(2, seed=2, cfg=ModelConfig(**{**to_dict(CFG), "init": "xavier"})), tmp_path, 5
     )
     loaded = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_1.pt")

@@ -2,18 +2,32 @@
 values; mistakes are rejected by name, before any work."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.config import ConfigError, TrainConfig, TrainerConfig, TranslateConfig, from_dict
-from transformer.finish import _next_steps
+from transformer.config import (
+    ConfigError,
+    DataConfig,
+    EvaluateConfig,
+    ExportConfig,
+    FinishConfig,
+    ModelConfig,
+    TrainConfig,
+    TrainerConfig,
+    TranslateConfig,
+    app_defaults,
+    from_dict,
+)
+from transformer.finish import print_next_steps
 from transformer.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +186,7 @@ def test_resume_never_refuses_a_run_directory_with_checkpoints(tmp_path):
 
 
 def test_bad_values_fail_before_any_work():
-    with pytest.raises(ConfigError, match="d_model=500 is not divisible by n_heads=8"):
+    with pytest.raises(ConfigError, match="^model.d_model=500 is not divisible by model.n_heads=8"):
         composed("model.d_model=500")
     with pytest.raises(ConfigError, match="data.source='ftp'"):
         composed("data.source=ftp")
@@ -197,14 +211,24 @@ def test_bad_values_fail_before_any_work():
         composed("finish.examples=hello")
     assert composed("optim.lr_scale=2").optim.lr_scale == 2  # a whole number is a number
     assert composed("name=2024").name == "2024"  # Hydra reads it as a number
-    with pytest.raises(ConfigError, match=r"finish.evaluate_split='dev' must be valid, test or null"):
+    with pytest.raises(
+        ConfigError, match=r"^finish.evaluate_split='dev' must be one of 'valid', 'test' or null$"
+    ):
         composed("finish.evaluate_split=dev")
     # the device and search settings are checked in one place for training, its finish stage and decoding
-    with pytest.raises(ConfigError, match=r"trainer.precision='fp16' must be 'auto', 'fp32' or 'bf16'"):
+    with pytest.raises(
+        ConfigError, match=r"^trainer.precision='fp16' must be one of 'auto', 'fp32' or 'bf16'$"
+    ):
         composed("trainer.precision=fp16")
-    with pytest.raises(ConfigError, match=r"finish.max_len_a must be >= 0 and finish.max_len_b >= 1"):
+    with pytest.raises(ConfigError, match=r"^finish.max_len_b=0 must be at least 1$"):
         composed("finish.max_len_b=0")
-    with pytest.raises(ConfigError, match=r"^precision='fp16' must be 'auto', 'fp32', 'bf16' or 'int8'"):
+    with pytest.raises(
+        ConfigError, match=r"^finish.precision='fp16' must be one of 'auto', 'fp32', 'bf16' or 'int8'$"
+    ):
+        composed("finish.precision=fp16")
+    with pytest.raises(
+        ConfigError, match=r"^precision='fp16' must be one of 'auto', 'fp32', 'bf16' or 'int8'$"
+    ):
         TranslateConfig(checkpoint="x.pt", precision="fp16")
     with pytest.raises(ConfigError, match=r"^beam_size=0 must be at least 1"):
         TranslateConfig(checkpoint="x.pt", beam_size=0)
@@ -226,7 +250,7 @@ def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):
 @pytest.mark.parametrize("experiment, suggested", [("demo", True), ("paper_base", False)])
 def test_the_next_steps_suggest_the_papers_run_only_to_runs_on_other_data(experiment, suggested, capsys):
     cfg = composed(f"experiment={experiment}")
-    _next_steps(cfg, Path("runs/x"), Path("runs/x/checkpoints/checkpoint_last.pt"), [])
+    print_next_steps(cfg, Path("runs/x"), Path("runs/x/checkpoints/checkpoint_last.pt"), [])
     shown = capsys.readouterr().out
     assert "translate.py checkpoint=runs/x/checkpoints/checkpoint_last.pt" in shown
     assert ("python train.py experiment=paper_base" in shown) == suggested
@@ -248,3 +272,112 @@ def test_one_named_gpu_for_every_torchrun_process_is_refused(tmp_path):
         .splitlines()[-1]
         .startswith("error: trainer.device=cuda:1 would put all 2 processes on one GPU")
     )
+
+
+# ------------------------------------------------------------------ one home for every default
+
+
+def composed_app(app: str, *overrides: str) -> dict:
+    """configs/<app>.yaml composed as the app composes it, interpolations left as written."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose(app, overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=False)
+
+
+README_TABLES = {  # the bold heading above a table in the README -> (app, section of its config)
+    "**`model/`**": ("train", "model"),
+    "**`data/`**": ("train", "data"),
+    "**`optim/`**": ("train", "optim"),
+    "**`trainer/`**": ("train", "trainer"),
+    "**`finish`**": ("train", "finish"),
+    "**Decoding apps**": ("translate", None),
+}
+
+
+def readme_rows(heading: str) -> list[tuple[str, str]]:
+    """(key, value as written) for every key of the table below `heading` in the README."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text[text.index(heading) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2 :]:  # past the header and its rule
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        keys = re.findall(r"`([^`]+)`", cells[0])
+        values = cells[1].split(", ") if len(keys) > 1 else [cells[1]]
+        assert len(values) == len(keys), line
+        rows += zip(keys, values)
+    return rows
+
+
+def as_value(written: str) -> object:
+    value = yaml.safe_load(written)
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-9 as a string
+        except ValueError:
+            return value
+    return value
+
+
+@pytest.mark.parametrize("heading", list(README_TABLES))
+def test_the_readmes_key_tables_state_the_defaults(heading):
+    app, section = README_TABLES[heading]
+    cfg = composed_app(app)
+    cfg = cfg if section is None else cfg[section]
+    rows = readme_rows(heading)
+    assert len(rows) >= 5
+    for key, written in rows:
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        assert as_value(written) == value, f"README {heading} says {key}={written}, the config {value!r}"
+
+
+def test_the_readme_names_every_setting_of_the_model_optim_trainer_and_finish():
+    cfg = composed_app("train")
+    for heading in ("**`model/`**", "**`optim/`**", "**`trainer/`**", "**`finish`**"):
+        section = README_TABLES[heading][1]
+        assert {key for key, _ in readme_rows(heading)} == set(cfg[section]), heading
+
+
+@pytest.mark.parametrize("group", ["model", "data", "optim", "trainer"])
+def test_group_files_hold_only_deltas_over_the_dataclass_defaults(group):
+    """configs/<group>/*.yaml never restate a default of transformer/config.py: the dataclasses are the
+    one home of every default (an experiment, a recipe, may pin values of its own)."""
+    defaults = app_defaults("train")[group]
+    for path in sorted((ROOT / "configs" / group).glob("*.yaml")):
+        values = yaml.safe_load(path.read_text()) or {}
+        values.pop("defaults", None)
+        for key, value in values.items():
+            assert value != defaults[key], f"{path.name} restates {group}.{key}={value!r}, the default"
+
+
+@pytest.mark.parametrize("app", ["translate", "evaluate", "visualize", "export", "prepare_data"])
+def test_app_files_hold_no_settings_of_their_own(app):
+    values = yaml.safe_load((ROOT / "configs" / f"{app}.yaml").read_text())
+    assert set(values) == {"defaults", "hydra"}
+
+
+CHOICES = [  # (settings, key, what the command line calls it)
+    (lambda v: ModelConfig(positional=v), "positional", "model.positional"),
+    (lambda v: ModelConfig(init=v), "init", "model.init"),
+    (lambda v: DataConfig(source=v), "source", "data.source"),
+    (lambda v: TrainerConfig(precision=v), "precision", "trainer.precision"),
+    (lambda v: FinishConfig(precision=v), "precision", "finish.precision"),
+    (lambda v: FinishConfig(evaluate_split=v), "evaluate_split", "finish.evaluate_split"),
+    (lambda v: TranslateConfig(checkpoint="x.pt", precision=v), "precision", "precision"),
+    (lambda v: EvaluateConfig(checkpoint="x.pt", split=v), "split", "split"),
+    (lambda v: ExportConfig(checkpoint="x.pt", out="d", format=v), "format", "format"),
+]
+
+
+@pytest.mark.parametrize("build, key, name", CHOICES)
+def test_every_choice_is_refused_in_one_format(build, key, name):
+    with pytest.raises(ConfigError) as refused:
+        build("bogus")
+    assert re.fullmatch(
+        rf"{re.escape(name)}='bogus' must be one of ('[\w-]+'|null)(, ('[\w-]+'|null))* or ('[\w-]+'|null)",
+        str(refused.value),
+    ), str(refused.value)

@@ -171,7 +171,7 @@ def test_seq2seq_loss_is_cross_entropy_of_the_model_logits():
     src[1, 5:] = PAD
     tgt_in[2, 4:] = PAD
     tgt_out[2, 4:] = PAD
-    loss, nll = Seq2SeqLoss(model, 0.1)(src, tgt_in, tgt_out)
+    loss, nll, _ = Seq2SeqLoss(model, 0.1)(src, tgt_in, tgt_out)
     logits = model(src, tgt_in).reshape(-1, 37)  # (B * T, V)
     torch.testing.assert_close(loss, explicit_loss(logits, tgt_out.reshape(-1), 0.1))
     torch.testing.assert_close(
@@ -188,7 +188,7 @@ def test_no_vocabulary_sized_activation_is_kept_for_backward():
     src, tgt = torch.randint(4, 101, (3, 7)), torch.randint(4, 101, (3, 6))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        loss, _ = objective(src, tgt, tgt)
+        loss, _, _ = objective(src, tgt, tgt)
     assert saved and (3 * 6, 16) in saved  # the gradient of the states is kept
     assert not [shape for shape in saved if shape[-1] == 101 and shape.numel() >= 3 * 6 * 101]
     loss.backward()
@@ -236,7 +236,7 @@ def test_cuda_compiled_objective_matches_eager():
     losses = []
     for module in (eager, torch.compile(compiled, dynamic=False)):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = module(src, tgt, tgt)
+            loss, _, _ = module(src, tgt, tgt)
         loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=0.0)

@@ -11,7 +11,7 @@ from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.training import monitor
 from transformer.training.loss import Seq2SeqLoss
-from transformer.visualize import record_attention
+from transformer.visualize import recording
 
 # the mixture: capacity for every assignment, so that each token runs its k experts
 MIXTURE = {"moe_experts": 4, "moe_top_k": 2, "moe_capacity": 2.0}
@@ -25,8 +25,8 @@ def test_train_flops_match_the_counted_matmuls_of_forward_and_backward(shape):
     # the reference attention path and F.linear are plain matmuls, which the counter sees (the fused
     # CPU attention kernel and the oneDNN linear of transformer/kernels/onednn.py it does not)
     plain = torch.backends.mkldnn.flags(enabled=False)
-    with plain, record_attention(objective), FlopCounterMode(display=False) as counter:
-        loss, _ = objective(src, tgt, tgt)
+    with plain, FlopCounterMode(display=False) as counter:
+        loss, _, _ = recording(objective)[0](src, tgt, tgt)
         loss.backward()
     assert monitor.train_flops(cfg, 3, 7, 5) == counter.get_total_flops()
 

@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer.checkpoint import (
     CheckpointError,
-    atomic_save,
     average_checkpoints,
     list_checkpoints,
     load_checkpoint,
+    write_checkpoint,
 )
 from transformer.config import INIT_SCHEMES, ConfigError, ModelConfig, TrainConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler
@@ -207,7 +207,7 @@ def test_a_mixture_of_experts_run_resumes_exactly_averages_and_translates(corpus
     dropped = tensorboard_scalars(tmp_path / "whole", "train/moe_dropped")  # capacity 1.0 drops some
     assert dropped and all(0 <= d < 1 for d in dropped) and max(dropped) > 0
     averaged = tmp_path / "average.pt"
-    atomic_save(average_checkpoints(list_checkpoints(tmp_path / "parts")), averaged)
+    write_checkpoint(average_checkpoints(list_checkpoints(tmp_path / "parts")), averaged)
     done = subprocess.run(
         [sys.executable, str(ROOT / "translate.py"), f"checkpoint={averaged}", "device=cpu"],
         input="the cat sees a dog\n\nthe red house\n",
@@ -237,7 +237,7 @@ def test_an_averaged_checkpoint_is_refused_for_resuming_before_the_data_is_prepa
     corpus, uninterrupted, tmp_path
 ):
     averaged = tmp_path / "average.pt"
-    atomic_save(average_checkpoints(list_checkpoints(uninterrupted)[-2:]), averaged)
+    write_checkpoint(average_checkpoints(list_checkpoints(uninterrupted)[-2:]), averaged)
     args = overrides(corpus, tmp_path / "run", "trainer.max_steps=12", f"trainer.resume={averaged}")
     args.append(f"data.dir={tmp_path / 'unprepared'}")
     with pytest.raises(CheckpointError, match="cannot resume training: it has no optimizer"):

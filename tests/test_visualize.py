@@ -12,7 +12,7 @@ from conftest import make_tiny_checkpoint
 from test_training_config import composed
 
 from transformer import visualize
-from transformer.checkpoint import RESUME_KEYS, atomic_save, load_checkpoint
+from transformer.checkpoint import RESUME_KEYS, load_checkpoint, write_checkpoint
 from transformer.config import ConfigError, VisualizeConfig
 from transformer.finish import finish
 from transformer.translation import Translator
@@ -88,7 +88,7 @@ def test_the_finish_stage_notes_a_text_too_long_to_draw_and_goes_on(tmp_path, ca
     """It is found out after training (counting pieces needs the tokenizer): not worth failing the run."""
     path = make_tiny_checkpoint(tmp_path / "checkpoints" / "checkpoint_0.pt")
     ckpt = load_checkpoint(path)
-    atomic_save(ckpt | {k: {} for k in RESUME_KEYS}, path)  # what finish takes for a run's checkpoint
+    write_checkpoint(ckpt | {k: {} for k in RESUME_KEYS}, path)  # what finish takes for a run's checkpoint
     cfg = composed(
         "experiment=demo", "trainer.max_steps=1", "finish.average_last=0", "finish.evaluate_split=null",
         "finish.examples=[A dog.]", f"finish.attention_text={' '.join(['The cat sees the house.'] * 20)}",

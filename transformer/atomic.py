@@ -14,7 +14,7 @@ TEMP_SUFFIX = ".tmp"
 
 
 @contextmanager
-def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
+def writing(path: str | Path) -> Iterator[BinaryIO]:
     """A binary file that appears under `path` only complete: temp name beside it, fsync, rename."""
     path = Path(path)
     temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")  # hidden, unique
@@ -29,8 +29,9 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
         raise
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    with atomic_write(path) as file:
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """`data` as the whole file at `path`, written atomically."""
+    with writing(path) as file:
         file.write(data)
 
 

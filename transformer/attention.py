@@ -11,6 +11,7 @@ Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V (Eq. 1) is `attention`, PyTorch
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,21 @@ def reference_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = scores.softmax(dim=-1)
     return F.dropout(weights, dropout) @ v, weights
+
+
+class LayerCache(Protocol):
+    """What attention asks of one decoder layer's cache in incremental decoding (the implementation:
+    transformer/decoding/cache.py)."""
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Self-attention: keep k, v (B, H_kv, T, d) of the newest positions; returns the keys and
+        values of every position so far and the mask of the new queries over them (None: all visible)."""
+        ...
+
+    def memory(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Encoder-decoder attention: the encoder's keys and values (N, H_kv, S, d) and its key mask
+        (N, 1, 1, S), N the sentences of the batch."""
+        ...
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
@@ -93,13 +109,37 @@ class MultiHeadAttention(nn.Module):
                 nn.init.xavier_uniform_(block, gain=qkv_gain)
             nn.init.xavier_uniform_(self.w_o.weight)
 
-    def forward(self, x: Tensor, memory: Tensor | None = None, key_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
         """x (B, T, d_model): the queries (and the keys and values of self-attention); memory
         (B, S, d_model): the keys and values of encoder-decoder attention; key_mask (B, T_k), True = a
-        real token. Returns (B, T, d_model)."""
-        q, k, v = self.project(x, memory)
-        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, T_k)
-        return self.combine(self.attend(q, k, v, mask, self.causal))
+        real token. Returns (B, T, d_model).
+
+        With a `cache` (incremental decoding, transformer/decoding/cache.py), x holds the newest
+        positions only: self-attention adds their keys and values to those of the positions before and
+        attends over all of them; encoder-decoder attention takes the encoder's keys and values and
+        mask from the cache, projected once per source and shared by the B / N beams of each of its N
+        sentences (memory and key_mask unused)."""
+        if cache is None:
+            q, k, v = self.project(x, memory)
+            mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, T_k)
+            return self.combine(self.attend(q, k, v, mask, self.causal))
+        if not self.cross:
+            q, k, v = self.project(x)
+            k, v, mask = cache.extend(k, v)  # (B, H_kv, T_k, d): every position so far
+            return self.combine(self.attend(q, k, v, mask, causal=False))
+        q = self.project_q(x)  # (B, H, T, d_k)
+        k, v, mask = cache.memory()  # (N, H_kv, S, d), (N, 1, 1, S)
+        (b, h, t, d_k), n = q.shape, k.size(0)
+        # the beams of a sentence side by side as one query sequence: its keys and values are not copied
+        q = q.view(n, b // n, h, t, d_k).transpose(1, 2).reshape(n, h, -1, d_k)  # (N, H, B / N x T, d_k)
+        out = self.attend(q, k, v, mask, causal=False)  # (N, H, B / N x T, d_v)
+        return self.combine(out.view(n, h, b // n, t, -1).transpose(1, 2).reshape(b, h, t, -1))
 
     def project(self, x: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The heads' queries (B, H, T, d_k), keys (B, H_kv, T_k, d_k) and values (B, H_kv, T_k, d_v)."""

@@ -16,6 +16,8 @@ and, for resuming training:
     rng           one entry per rank: {"python", "numpy", "torch", "cuda"} generator states
     interim       True for a checkpoint written only because a signal stopped the run
 An average of checkpoints (§6.1) has no resume state and lists its inputs under "averaged_from".
+`load_checkpoint` reads older checkpoints in today's terms (parameters renamed since, under their new
+names), so they translate, resume, average and export as they did.
 
 A run keeps `<run_dir>/checkpoints/checkpoint_<step>.pt` (the newest `keep_last` of them) and the newest
 also as `checkpoint_last.pt`: a hard link (a copy where the filesystem has none), never a symlink, so
@@ -38,10 +40,11 @@ from typing import Any
 
 import torch
 
-from transformer.atomic import TEMP_SUFFIX, atomic_write
+from transformer import atomic
+from transformer.atomic import TEMP_SUFFIX
 from transformer.config import ModelConfig, from_dict
-from transformer.data.tokenizer import PAD_ID
 from transformer.model import Transformer
+from transformer.vocab import PAD_ID
 
 FORMAT = "transformer-checkpoint"
 RESUME_KEYS = ("optimizer", "scheduler", "data_state", "rng")
@@ -55,7 +58,7 @@ class CheckpointError(Exception):
     """A path that is missing, unreadable, or not one of our checkpoints."""
 
 
-def atomic_save(obj: Any, path: str | Path) -> None:
+def write_checkpoint(obj: Any, path: str | Path) -> None:
     """torch.save, atomically (see `transformer.atomic`), creating the directory if needed; a disk too
     full for it is a CheckpointError, before writing where the free space shows it."""
     path = Path(path)
@@ -65,7 +68,7 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     if free < needed:
         raise CheckpointError(_no_space(path, needed, free))
     try:
-        with atomic_write(path) as f:
+        with atomic.writing(path) as f:
             torch.save(obj, f)
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -128,14 +131,35 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a readable checkpoint ({reason})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint written by this project")
-    # Older checkpoints name the padding id in the model's settings (it was always the tokenizer's 0),
-    # and do not name the initialisation (it was always "xavier").
+    return _upgraded(ckpt)
+
+
+# Parameter names changed since older checkpoints were written: (pattern, replacement) on their keys.
+RENAMED = [(re.compile(r"^(encoder\.\d+\.)res_attn\."), r"\1res_self.")]  # as the decoder's layers name it
+
+
+def _upgraded(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """An older checkpoint in today's terms: its parameters under today's names (`RENAMED`); and its
+    model settings without the padding id (it was always the tokenizer's 0) and with the initialisation
+    (it was always "xavier") where it names neither."""
+    if isinstance(ckpt.get("model"), dict):
+        ckpt["model"] = current_names(ckpt["model"])
     for model_config in (ckpt.get("model_config"), ckpt.get("config", {}).get("model")):
         if isinstance(model_config, dict):
             if model_config.get("pad_id") == PAD_ID:
                 del model_config["pad_id"]
             model_config.setdefault("init", "xavier")
     return ckpt
+
+
+def current_names(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A model's state_dict written before a parameter was renamed, under today's names."""
+    renamed = {}
+    for key, value in state_dict.items():
+        for pattern, replacement in RENAMED:
+            key = pattern.sub(replacement, key)
+        renamed[key] = value
+    return renamed
 
 
 def _check_archive(path: Path) -> None:
@@ -188,14 +212,14 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def save_checkpoint(
+def save_numbered(
     ckpt: dict[str, Any], run_dir: str | Path, keep_last: int, replaces: Path | None = None
 ) -> Path:
     """Write checkpoint_<step>.pt atomically, make checkpoint_last.pt the same file, delete `replaces`
     (the interim checkpoint the run resumed from), then keep only the newest `keep_last` numbered ones."""
     directory = checkpoint_dir(run_dir)
     path = directory / f"checkpoint_{ckpt['step']}.pt"
-    atomic_save(ckpt, path)
+    write_checkpoint(ckpt, path)
     _link_last(path, directory / LAST)
     if replaces is not None and replaces != path:
         replaces.unlink(missing_ok=True)
@@ -213,7 +237,7 @@ def _link_last(newest: Path, last: Path) -> None:
         os.link(newest, temp)
     except OSError:
         try:
-            with atomic_write(last) as f, open(newest, "rb") as source:
+            with atomic.writing(last) as f, open(newest, "rb") as source:
                 shutil.copyfileobj(source, f, length=1 << 24)
         except OSError as error:
             last.unlink(missing_ok=True)

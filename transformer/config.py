@@ -1,7 +1,14 @@
-"""Typed configuration, validated on construction.
+"""Typed configuration, validated on construction: the one home of every default.
 
-One dataclass per concern; each component receives only its own slice. The package never imports
-Hydra: the command-line apps compose YAML with Hydra and hand plain dicts to `from_dict`.
+One dataclass per concern; each component receives only its own slice. The defaults live here, so the
+Python API (`Translator.from_checkpoint`, tests, scripts) has them without Hydra; the YAML files under
+configs/ hold only what differs from them (a model size, a corpus, a recipe), and the command-line apps
+register `defaults(...)` with Hydra as the base of their configs (one line each). The package never
+imports Hydra: the apps compose YAML with it and hand plain dicts to `from_dict`.
+
+Every check runs in `__post_init__` and names the setting as the command line spells it
+(`trainer.max_steps=0 must be positive`); a list of allowed values always reads "must be one of
+'a', 'b' or 'c'".
 """
 
 from __future__ import annotations
@@ -11,32 +18,57 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ConfigError(ValueError):
     """A user's configuration mistake, reported before any heavy work starts."""
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+def one_of(values: tuple[str | None, ...]) -> str:
+    """The allowed values as a message reads them: "one of 'a', 'b' or 'c'"."""
+    quoted = ["null" if value is None else repr(value) for value in values]
+    return f"one of {', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else f"{quoted[0]}"
 
 
-def _one_of(values: tuple[str, ...]) -> str:
-    """The allowed values as a message reads them: "'a', 'b' or 'c'"."""
-    quoted = [repr(value) for value in values]
-    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+class Settings:
+    """The base of every config dataclass: `PREFIX` is how the command line reaches its keys
+    ("trainer.", "" for a decoding app's own keys); subclasses check their fields in `__post_init__`
+    and call super()'s."""
+
+    PREFIX: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        pass
+
+    def require(self, condition: bool, key: str, requirement: str) -> None:
+        """A ConfigError "<prefix><key>=<value> <requirement>" unless the condition holds."""
+        if not condition:
+            raise ConfigError(f"{self.PREFIX}{key}={getattr(self, key)!r} {requirement}")
+
+    def require_choice(self, key: str, choices: tuple[str | None, ...]) -> None:
+        self.require(getattr(self, key) in choices, key, f"must be {one_of(choices)}")
+
+    def require_positive(self, *keys: str) -> None:
+        for key in keys:
+            self.require(getattr(self, key) > 0, key, "must be positive")
 
 
 INIT_SCHEMES = ("t2t", "fairseq", "xavier")
+DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
+DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
+EXPORT_FORMATS = ("ctranslate2", "huggingface")
+ROLES = ("train", "valid", "test")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Settings):
     """The Transformer's shape (§3, Table 3). Defaults are the paper's base model."""
 
-    vocab_size: int = 37000  # shared source/target BPE vocabulary (§5.1)
+    PREFIX: ClassVar[str] = "model."
+
+    vocab_size: int = 37000  # shared source/target BPE vocabulary (§5.1); training takes the corpus'
     d_model: int = 512
     n_heads: int = 8  # h
     d_ff: int = 2048
@@ -60,52 +92,45 @@ class ModelConfig:
     moe_aux_loss: float = 0.01  # weight of the load-balancing loss in the training objective
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions"):
-            _check(getattr(self, name) > 0, f"model.{name}={getattr(self, name)} must be positive")
+        self.require_positive("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions")
         if self.d_k is None or self.d_v is None:
-            _check(
+            self.require(
                 self.d_model % self.n_heads == 0,
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                "change one of them or set model.d_k and model.d_v explicitly",
+                "d_model",
+                f"is not divisible by model.n_heads={self.n_heads}; change one of them or set model.d_k "
+                "and model.d_v explicitly",
             )
-        if self.d_k is None:
-            self.d_k = self.d_model // self.n_heads
-        if self.d_v is None:
-            self.d_v = self.d_model // self.n_heads
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        _check(self.d_k > 0 and self.d_v > 0, f"d_k={self.d_k} and d_v={self.d_v} must be positive")
-        _check(
+        self.d_k = self.d_model // self.n_heads if self.d_k is None else self.d_k
+        self.d_v = self.d_model // self.n_heads if self.d_v is None else self.d_v
+        self.n_kv_heads = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        self.require_positive("d_k", "d_v")
+        self.require(
             0 < self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0,
-            f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}",
+            "n_kv_heads",
+            f"must divide model.n_heads={self.n_heads}",
         )
-        _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
-        _check(
-            0.0 <= self.attention_dropout < 1.0,
-            f"model.attention_dropout={self.attention_dropout} must be in [0, 1)",
-        )
-        _check(
-            self.positional in ("sinusoidal", "learned"),
-            f"model.positional={self.positional!r} must be 'sinusoidal' or 'learned'",
-        )
-        _check(
-            self.init in INIT_SCHEMES,
-            f"model.init={self.init!r} must be {_one_of(INIT_SCHEMES)}",
-        )
+        self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        self.require(0.0 <= self.attention_dropout < 1.0, "attention_dropout", "must be in [0, 1)")
+        self.require_choice("positional", ("sinusoidal", "learned"))
+        self.require_choice("init", INIT_SCHEMES)
         if self.moe_experts:
             experts = self.moe_experts
-            _check(experts >= 2, f"model.moe_experts={experts} must be 0 (dense) or at least 2")
-            _check(
+            self.require(experts >= 2, "moe_experts", "must be 0 (dense) or at least 2")
+            self.require(
                 1 <= self.moe_top_k <= experts,
-                f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts={experts}",
+                "moe_top_k",
+                f"must be between 1 and model.moe_experts={experts}",
             )
-            _check(self.moe_capacity > 0, f"model.moe_capacity={self.moe_capacity} must be positive")
-            _check(self.moe_aux_loss >= 0, f"model.moe_aux_loss={self.moe_aux_loss} must be >= 0")
+            self.require_positive("moe_capacity")
+            self.require(self.moe_aux_loss >= 0, "moe_aux_loss", "must be >= 0")
+        super().__post_init__()
 
 
 @dataclass
-class ToyConfig:
+class ToyConfig(Settings):
     """Sizes of the built-in synthetic corpus (data.source=toy)."""
+
+    PREFIX: ClassVar[str] = "data.toy."
 
     n_train: int = 50000
     n_valid: int = 1000
@@ -113,13 +138,15 @@ class ToyConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        for name in ("n_train", "n_valid", "n_test"):
-            _check(getattr(self, name) > 0, f"data.toy.{name}={getattr(self, name)} must be positive")
+        self.require_positive("n_train", "n_valid", "n_test")
+        super().__post_init__()
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Settings):
     """A corpus and how it is prepared (§5.1): source -> clean -> shared BPE -> binary shards."""
+
+    PREFIX: ClassVar[str] = "data."
 
     name: str = "wmt14_en_de"
     source: str = "hf"  # "hf" (Hugging Face datasets) | "local" (text files) | "toy" (synthetic)
@@ -147,81 +174,76 @@ class DataConfig:
     toy: ToyConfig = field(default_factory=ToyConfig)
 
     def __post_init__(self) -> None:
-        _check(
-            self.source in ("hf", "local", "toy"),
-            f"data.source={self.source!r} must be one of 'hf', 'local', 'toy'",
-        )
-        _check(self.src_lang != self.tgt_lang, f"data.src_lang and data.tgt_lang are both {self.src_lang!r}")
+        self.require_choice("source", ("hf", "local", "toy"))
+        self.require(self.src_lang != self.tgt_lang, "src_lang", "is data.tgt_lang too")
         for key in ("splits", "local_splits"):
             names = getattr(self, key) or {"train": "train"}
-            _check("train" in names, f"data.{key} must name a 'train' split")
-            unknown = sorted(set(names) - {"train", "valid", "test"})
-            _check(not unknown, f"data.{key} has unknown role(s) {unknown}; roles are train, valid, test")
-        _check(self.spm_sample_size > 0, "data.spm_sample_size must be positive")
-        _check(bool(self.dir), "data.dir must name a directory")
+            self.require("train" in names, key, "must name a 'train' split")
+            unknown = sorted(set(names) - set(ROLES))
+            self.require(not unknown, key, f"has unknown role(s) {unknown}; roles are train, valid, test")
+        self.require_positive("spm_sample_size", "max_tokens_per_sentence", "num_workers")
+        self.require(bool(self.dir), "dir", "must name a directory")
         if self.source == "toy":
-            _check(
+            self.require(
                 {self.src_lang, self.tgt_lang} == {"en", "de"},
-                "data.source=toy is English-German: data.src_lang and data.tgt_lang must be 'en' and 'de'",
+                "source",
+                "is English-German: data.src_lang and data.tgt_lang must be 'en' and 'de'",
             )
-        _check(self.vocab_size >= 16, f"data.vocab_size={self.vocab_size} is too small")
-        _check(self.max_tokens_per_sentence > 0, "data.max_tokens_per_sentence must be positive")
-        _check(self.max_length_ratio >= 1.0, "data.max_length_ratio must be at least 1")
-        _check(self.num_workers >= 1, "data.num_workers must be at least 1")
+        self.require(self.vocab_size >= 16, "vocab_size", "is too small (at least 16)")
+        self.require(self.max_length_ratio >= 1.0, "max_length_ratio", "must be at least 1")
         if self.source == "local":
-            _check(self.path is not None, "data.source=local needs data.path=<directory of text files>")
-        if self.source == "hf":
-            _check(
-                self.hf_dataset is not None or self.path is not None,
-                "data.source=hf needs data.hf_dataset=<hub name> or data.path=<saved dataset>",
+            self.require(
+                self.path is not None, "path", "is needed with data.source=local: a directory of text files"
             )
+        if self.source == "hf":
+            self.require(
+                self.hf_dataset is not None or self.path is not None,
+                "hf_dataset",
+                "is needed with data.source=hf, or data.path=<saved dataset>",
+            )
+        super().__post_init__()
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Settings):
     """Adam, the warmup/inverse-square-root schedule (Eq. 3, §5.3) and label smoothing (§5.4)."""
+
+    PREFIX: ClassVar[str] = "optim."
 
     lr_scale: float = 1.0  # multiplies d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup_steps: int = 4000
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-9
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # the paper has none
     label_smoothing: float = 0.1  # eps_ls
     clip_grad_norm: float = 0.0  # 0 = no clipping (the paper clips nothing)
 
     def __post_init__(self) -> None:
-        _check(self.lr_scale > 0, f"optim.lr_scale={self.lr_scale} must be positive")
-        _check(self.warmup_steps > 0, f"optim.warmup_steps={self.warmup_steps} must be positive")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-        _check(self.eps > 0, "optim.eps must be positive")
-        _check(0.0 <= self.label_smoothing < 1.0, "optim.label_smoothing must be in [0, 1)")
-        _check(self.clip_grad_norm >= 0, "optim.clip_grad_norm must be >= 0 (0 disables clipping)")
+        self.require_positive("lr_scale", "warmup_steps", "eps")
+        for key in ("beta1", "beta2", "label_smoothing"):
+            self.require(0.0 <= getattr(self, key) < 1.0, key, "must be in [0, 1)")
+        self.require(self.clip_grad_norm >= 0, "clip_grad_norm", "must be >= 0 (0 disables clipping)")
+        super().__post_init__()
 
 
 @dataclass
-class DeviceConfig:
-    """Where and in what precision a model runs: training's (`trainer.*`) and decoding's settings."""
+class DeviceConfig(Settings):
+    """Where a model runs (transformer/devices.py resolves these, and `precision`)."""
 
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
-    # "auto": bf16 on CUDA, and in training also on CPUs with AMX or AVX512-BF16 | "fp32" | "bf16"
-    precision: str = "auto"  # (| "int8": decoding)
     threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
 
-    def check_device(self, where: str = "", precisions: tuple[str, ...] = ("auto", "fp32", "bf16")) -> None:
-        _check(
-            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-            f"{where}device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
+    def __post_init__(self) -> None:
+        self.require(
+            self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", f"must be {DEVICES}"
         )
-        _check(
-            self.precision in precisions,
-            f"{where}precision={self.precision!r} must be {_one_of(precisions)}",
-        )
-        _check(self.threads is None or self.threads >= 1, f"{where}threads={self.threads} must be at least 1")
+        self.require(self.threads is None or self.threads >= 1, "threads", "must be at least 1")
+        super().__post_init__()
 
 
 @dataclass
-class SearchConfig:
+class SearchConfig(Settings):
     """How to search (§6.1): beam 4, length penalty alpha 0.6, maximum output = input + 50; decoding's
     and the finish stage's (`finish.*`) settings."""
 
@@ -229,29 +251,41 @@ class SearchConfig:
     alpha: float = 0.6  # GNMT length penalty exponent
     max_len_a: float = 1.0  # maximum output length = max_len_a * source tokens + max_len_b
     max_len_b: int = 50
+    # Decoding's precision (transformer/devices.py): the dtype the weights are cast to, scores in float32;
+    # "auto": bf16 on CUDA, fp32 on a CPU | "fp32" | "bf16" | "int8" (8-bit products on the CPU)
+    precision: str = "auto"
 
-    def check_search(self, where: str = "") -> None:
-        _check(self.beam_size >= 1, f"{where}beam_size={self.beam_size} must be at least 1")
-        _check(self.alpha >= 0, f"{where}alpha={self.alpha} must be >= 0")
-        _check(
-            self.max_len_a >= 0 and self.max_len_b >= 1,
-            f"{where}max_len_a must be >= 0 and {where}max_len_b >= 1",
-        )
+    def __post_init__(self) -> None:
+        self.require(self.beam_size >= 1, "beam_size", "must be at least 1")
+        self.require(self.alpha >= 0, "alpha", "must be >= 0")
+        self.require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
+        self.require(self.max_len_b >= 1, "max_len_b", "must be at least 1")
+        self.require_choice("precision", DECODE_PRECISIONS)
+        super().__post_init__()
+
+    def search_settings(self) -> dict[str, Any]:
+        """These settings by name, as another SearchConfig takes them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SearchConfig)}
 
 
 @dataclass
 class TrainerConfig(DeviceConfig):
     """How long, how big a step, where to write, and on what device."""
 
+    PREFIX: ClassVar[str] = "trainer."
+
+    # Training's precision (transformer/devices.py): the dtype of autocast, weights and Adam in float32;
+    # "auto": bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32 | "fp32" | "bf16"
+    precision: str = "auto"
     run_dir: str = "runs/default"
     max_steps: int = 100000  # optimizer steps (base: 100k, big: 300k)
     tokens_per_step: int = 28672  # padded tokens per optimizer step: ~25k real target tokens (§5.1)
     max_tokens: int = 14336  # padded tokens per batch per rank, at most (memory); see batch_tokens
     pad_to_multiple: int = 8  # pad batch lengths to a multiple of this (aligned matmuls)
-    compile: bool = False
+    compile: bool = False  # torch.compile the model and loss, with dynamic shapes
     save_every_steps: int = 1000  # 0 = off
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
-    keep_last: int = 20
+    keep_last: int = 20  # numbered checkpoints kept (averaging takes up to 20, §6.1)
     eval_every_steps: int = 1000  # validation loss on the `valid` split; 0 = off
     log_every_steps: int = 100
     resume: str = "auto"  # "auto" (newest valid checkpoint in run_dir) | "never" | a checkpoint path
@@ -261,7 +295,8 @@ class TrainerConfig(DeviceConfig):
     dist_timeout_minutes: float = 15.0  # a collective waiting longer (a peer died) fails instead of hanging
 
     def __post_init__(self) -> None:
-        for name in (
+        self.require_choice("precision", TRAIN_PRECISIONS)
+        self.require_positive(
             "max_steps",
             "tokens_per_step",
             "max_tokens",
@@ -269,12 +304,11 @@ class TrainerConfig(DeviceConfig):
             "log_every_steps",
             "max_nonfinite_steps",
             "dist_timeout_minutes",
-        ):
-            _check(getattr(self, name) > 0, f"trainer.{name}={getattr(self, name)} must be positive")
-        for name in ("save_every_steps", "save_every_minutes", "eval_every_steps"):
-            _check(getattr(self, name) >= 0, f"trainer.{name}={getattr(self, name)} must be >= 0 (0 = off)")
-        _check(self.pad_to_multiple >= 1, "trainer.pad_to_multiple must be at least 1")
-        self.check_device("trainer.")
+            "pad_to_multiple",
+        )
+        for key in ("save_every_steps", "save_every_minutes", "eval_every_steps"):
+            self.require(getattr(self, key) >= 0, key, "must be >= 0 (0 = off)")
+        super().__post_init__()
 
     def grad_accum(self, world_size: int) -> int:
         """Batches per rank per optimizer step, so that max_tokens x accum x ranks >= tokens_per_step."""
@@ -289,40 +323,31 @@ class TrainerConfig(DeviceConfig):
 @dataclass
 class FinishConfig(SearchConfig):
     """What `train.py` does once training ends (rank 0): average, evaluate, show translations, decoding
-    with the search settings of §6.1 unless told otherwise."""
+    with the search settings of §6.1 unless told otherwise (on the training's device; int8 on the CPU)."""
+
+    PREFIX: ClassVar[str] = "finish."
 
     average_last: int = 0  # average the last K checkpoints (§6.1: 5 for base, 20 for big); 0 = skip
     evaluate_split: str | None = None  # role ("valid", "test") to score with BLEU; None = skip
     examples: list[str] = field(default_factory=list)  # sentences to translate and print
     attention_text: str | None = None  # write attention heatmaps for this sentence
-    precision: str = "auto"  # of its decoding: "auto" (bf16 on CUDA) | "fp32" | "bf16" | "int8" (CPU)
 
     def __post_init__(self) -> None:
-        _check(self.average_last >= 0, "finish.average_last must be >= 0")
-        _check(
-            self.precision in DECODE_PRECISIONS,
-            f"finish.precision={self.precision!r} must be {', '.join(map(repr, DECODE_PRECISIONS))}",
-        )
-        _check(
-            self.evaluate_split in (None, "valid", "test"),
-            f"finish.evaluate_split={self.evaluate_split!r} must be valid, test or null",
-        )
-        self.check_search("finish.")
+        self.require(self.average_last >= 0, "average_last", "must be >= 0 (0 = skip)")
+        self.require_choice("evaluate_split", ("valid", "test", None))
+        super().__post_init__()
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Settings):
     """Everything `train.py` needs."""
 
-    name: str = "default"
+    name: str = "default"  # names the run directory, runs/<name>
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     finish: FinishConfig = field(default_factory=FinishConfig)
-
-
-DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
 
 
 @dataclass
@@ -335,33 +360,31 @@ class DecodeConfig(SearchConfig, DeviceConfig):
     cuda_graphs: bool | None = None  # each search step one CUDA graph replay; None: on CUDA
 
     def __post_init__(self) -> None:
-        _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
+        if self.checkpoint is None:
+            raise ConfigError("checkpoint=PATH is required (a .pt file written by train.py)")
         # Each value typed as `from_dict` types it: these settings are also built in code (finish.py).
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             if not dataclasses.is_dataclass(hints[f.name]):  # EvaluateConfig.data comes typed
                 setattr(self, f.name, _typed(hints[f.name], getattr(self, f.name), f.name))
-        self.check_search()
-        self.check_device(precisions=DECODE_PRECISIONS)
-        _check(
-            self.precision != "int8" or (not self.device.startswith("cuda") and not self.cuda_graphs),
-            "precision=int8 runs on the CPU: not with device=cuda or cuda_graphs=true",
-        )
-        _check(self.max_tokens > 0, f"max_tokens={self.max_tokens} must be positive")
-        _check(self.max_sentences > 0, f"max_sentences={self.max_sentences} must be positive")
+        self.require_positive("max_tokens", "max_sentences")
+        super().__post_init__()
+        if self.precision == "int8" and (self.device.startswith("cuda") or self.cuda_graphs):
+            raise ConfigError("precision=int8 runs on the CPU: not with device=cuda or cuda_graphs=true")
 
 
 @dataclass
 class TranslateConfig(DecodeConfig):
     """`translate.py`: lines from `input` (default stdin) or one `text`, to `output` (default stdout)."""
 
-    input: str | None = None
-    output: str | None = None
-    text: str | None = None
+    input: str | None = None  # a text file, one sentence per line; None = standard input
+    output: str | None = None  # None = standard output; a file is written atomically
+    text: str | None = None  # one sentence to translate instead of the input
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.text is None or self.input is None, "give either text=... or input=FILE, not both")
+        if self.text is not None and self.input is not None:
+            raise ConfigError("give either text=... or input=FILE, not both")
 
 
 @dataclass
@@ -374,28 +397,27 @@ class EvaluateConfig(DecodeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.split in ("train", "valid", "test"), f"split={self.split!r} must be valid, test or train")
+        self.require_choice("split", ROLES)
 
 
 @dataclass
 class VisualizeConfig(DecodeConfig):
     """`scripts/visualize_attention.py`: attention heatmaps of one sentence and its translation."""
 
-    text: str | None = None
+    precision: str = "fp32"  # the weights are plotted: fp32 keeps them exact
+    text: str | None = None  # the sentence
     layer: int = -1  # which layer of each stack; negative counts from the last
-    out_dir: str = "attention"
+    out_dir: str = "attention"  # PNGs: encoder_self.png, decoder_self.png, cross.png
     tensorboard: bool = False  # also write the figures to TensorBoard (in out_dir)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(bool(self.text and self.text.strip()), 'text="..." is required: the sentence to translate')
-
-
-EXPORT_FORMATS = ("ctranslate2", "huggingface")
+        if not (self.text and self.text.strip()):
+            raise ConfigError('text="..." is required: the sentence to translate')
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(Settings):
     """`scripts/export.py`: a checkpoint written out for CTranslate2 or Hugging Face `transformers`."""
 
     checkpoint: str | None = None  # a checkpoint file written by train.py
@@ -404,16 +426,17 @@ class ExportConfig:
     quantization: str | None = None  # ctranslate2 only: "int8", "int8_float32", ... (None = float32)
 
     def __post_init__(self) -> None:
-        _check(self.checkpoint is not None, "checkpoint=PATH is required (a .pt file written by train.py)")
-        _check(self.out is not None, "out=DIR is required: the directory to write")
-        _check(
-            self.format in EXPORT_FORMATS,
-            f"format={self.format!r} must be one of {', '.join(EXPORT_FORMATS)}",
-        )
-        _check(
+        if self.checkpoint is None:
+            raise ConfigError("checkpoint=PATH is required (a .pt file written by train.py)")
+        if self.out is None:
+            raise ConfigError("out=DIR is required: the directory to write")
+        self.require_choice("format", EXPORT_FORMATS)
+        self.require(
             self.quantization is None or self.format == "ctranslate2",
-            f"quantization={self.quantization} applies to format=ctranslate2 only",
+            "quantization",
+            "applies to format=ctranslate2 only",
         )
+        super().__post_init__()
 
 
 def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
@@ -463,3 +486,39 @@ def _typed(hint: Any, value: Any, name: str) -> Any:
 def to_dict(obj: Any) -> dict[str, Any]:
     """The inverse of `from_dict`: plain, JSON- and checkpoint-friendly values."""
     return dataclasses.asdict(obj)
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """Every setting of dataclass `cls` with its default, as plain nested values (the base the apps
+    register with Hydra), without constructing `cls` (a DecodeConfig needs a checkpoint)."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            values[f.name] = defaults(hints[f.name])
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+        else:
+            values[f.name] = f.default
+    return values
+
+
+def app_defaults(app: str) -> dict[str, Any]:
+    """The defaults of a command-line app's settings, which it registers with Hydra as
+    `<app>_defaults`, the first entry of configs/<app>.yaml's defaults list."""
+    apps = {
+        "train": TrainConfig,
+        "translate": TranslateConfig,
+        "evaluate": EvaluateConfig,
+        "visualize": VisualizeConfig,
+        "export": ExportConfig,
+    }
+    if app == "prepare_data":
+        return {"data": defaults(DataConfig)}
+    return defaults(apps[app])
+
+
+def known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `values` that name a setting of dataclass `cls`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {key: value for key, value in values.items() if key in names}

@@ -28,7 +28,7 @@ from typing import Any
 from sacrebleu.metrics import BLEU
 from sacremoses import MosesTokenizer
 
-from transformer.atomic import write_atomic
+from transformer import atomic
 from transformer.config import ConfigError, DataConfig, EvaluateConfig, to_dict
 from transformer.data.sources import Split, load_splits, split_names
 from transformer.translation import Translator
@@ -232,9 +232,9 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
         "hypotheses": f"{stem}.hyp.{data.tgt_lang}",
         "settings": {k: v for k, v in to_dict(cfg).items() if k != "data"},
     }
-    write_atomic(Path(result["hypotheses"]), "".join(h + "\n" for h in hypotheses).encode("utf-8"))
+    atomic.write_bytes(Path(result["hypotheses"]), "".join(h + "\n" for h in hypotheses).encode("utf-8"))
     path = f"{stem}.bleu.json"
-    write_atomic(Path(path), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
+    atomic.write_bytes(Path(path), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
     title = f"BLEU of {cfg.checkpoint} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
     table = f"{title}\n{paper_table(scores, data.name, cfg.split)}\nwrote {path} and {result['hypotheses']}"
     return {**result, "path": path, "table": table}

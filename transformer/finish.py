@@ -8,13 +8,13 @@ import shlex
 from pathlib import Path
 
 from transformer.checkpoint import (
-    atomic_save,
     average_checkpoints,
     averaged_path,
     latest_checkpoint,
     list_checkpoints,
+    write_checkpoint,
 )
-from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, SearchConfig, TrainConfig
+from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
 from transformer.data.sources import split_names
 from transformer.evaluation import evaluate_checkpoint
 from transformer.translation import Translator
@@ -36,50 +36,47 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     found = latest_checkpoint(run_dir)
     if found is None or found[1]["step"] < cfg.trainer.max_steps:
         return None  # an unfinished run: nothing final to report yet
-    f = cfg.finish
+    settings = cfg.finish
     checkpoint = found[0]
-    if f.average_last > 0:
-        checkpoint = _average(run_dir, f.average_last)
-    search = {name: getattr(f, name) for name in SearchConfig.__dataclass_fields__}
-    int8 = f.precision == "int8"  # 8-bit products run on the CPU, whatever device trained
-    device = {
-        "device": "cpu" if int8 else cfg.trainer.device,
-        "threads": cfg.trainer.threads,
-        "precision": f.precision,
-    }
-    decode = dict(checkpoint=str(checkpoint), **search, **device)
+    if settings.average_last > 0:
+        checkpoint = _average(run_dir, settings.average_last)
+    int8 = settings.precision == "int8"  # 8-bit products run on the CPU, whatever device trained
+    device = {"device": "cpu" if int8 else cfg.trainer.device, "threads": cfg.trainer.threads}
+    decode = dict(checkpoint=str(checkpoint), **settings.search_settings(), **device)
     written = [checkpoint]
-    if f.evaluate_split is None and not f.examples and not f.attention_text:
-        _next_steps(cfg, run_dir, checkpoint, written)
+    if settings.evaluate_split is None and not settings.examples and not settings.attention_text:
+        print_next_steps(cfg, run_dir, checkpoint, written)
         return checkpoint
     translator = Translator.from_checkpoint(DecodeConfig(**decode))  # loaded once for all that follows
-    if f.evaluate_split is not None:
-        evaluation = EvaluateConfig(**decode, data=cfg.data, split=f.evaluate_split)
+    if settings.evaluate_split is not None:
+        evaluation = EvaluateConfig(**decode, data=cfg.data, split=settings.evaluate_split)
         result = evaluate_checkpoint(evaluation, translator)
         print(result["table"])
         written.append(Path(result["path"]))
-    if f.examples:
+    if settings.examples:
         print("\ntranslations:")
-    for source, output in zip(f.examples, translator.translate(list(f.examples))):
+    for source, output in zip(settings.examples, translator.translate(list(settings.examples))):
         print(f"  {source}\n    -> {output}")
-    if f.attention_text:
+    if settings.attention_text:
         try:
-            written += draw_attention(translator, f.attention_text, -1, run_dir / "attention")[1]
+            written += draw_attention(translator, settings.attention_text, -1, run_dir / "attention")[1]
         except ConfigError as error:  # found out only now (pieces need the tokenizer): not worth a failed run
             print(f"\nno attention heatmaps: {error}")
-    _next_steps(cfg, run_dir, checkpoint, written)
+    print_next_steps(cfg, run_dir, checkpoint, written)
     return checkpoint
 
 
 def _average(run_dir: Path, last: int) -> Path:
     paths = list_checkpoints(run_dir)[-last:]
     output = averaged_path(run_dir, len(paths))
-    atomic_save(average_checkpoints(paths), output)
+    write_checkpoint(average_checkpoints(paths), output)
     print(f"averaged the last {len(paths)} checkpoints ({paths[0].name} .. {paths[-1].name}) into {output}")
     return output
 
 
-def _next_steps(cfg: TrainConfig, run_dir: Path, checkpoint: Path, written: list[Path]) -> None:
+def print_next_steps(cfg: TrainConfig, run_dir: Path, checkpoint: Path, written: list[Path]) -> None:
+    """Where everything is, and the commands to translate with the checkpoint, draw its attention and
+    watch the curves."""
     ckpt = shlex.quote(str(checkpoint))
     example = shlex.quote(cfg.finish.examples[0] if cfg.finish.examples else "Hello.")
     print("\nwritten:")

@@ -10,8 +10,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from transformer.attention import MultiHeadAttention
+from transformer.attention import LayerCache, MultiHeadAttention
 from transformer.config import ModelConfig
+
+# A mixture of experts' training call: the feed-forward network as the layer calls it (transformer/moe.py).
+Routing = Callable[[nn.Module], Callable[[Tensor], Tensor]]
+FeedForwardBuilder = Callable[[ModelConfig], nn.Module]
 
 
 def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
@@ -97,35 +101,47 @@ def _attention(cfg: ModelConfig, cross: bool = False, causal: bool = False) -> M
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention, then the feed-forward network, each inside a `Residual` (§3.1)."""
+    """Self-attention, then the feed-forward network, each inside a `Residual` (§3.1). `feed_forward(cfg)`
+    builds another position-wise network than `FeedForward` (a mixture of experts)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, feed_forward: FeedForwardBuilder | None = None) -> None:
         super().__init__()
         self.self_attn = _attention(cfg)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
-        self.res_attn = Residual(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff) if feed_forward is None else feed_forward(cfg)
+        self.res_self = Residual(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.norm_first)
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
-        """x (B, S, d_model); src_mask (B, S), True = a real token."""
-        x = self.res_attn(x, lambda h: self.self_attn(h, key_mask=src_mask))
-        return self.res_ffn(x, self.ffn)
+    def forward(self, x: Tensor, src_mask: Tensor, routing: Routing | None = None) -> Tensor:
+        """x (B, S, d_model); src_mask (B, S), True = a real token; routing: how a mixture of experts
+        is called in training (transformer/moe.py)."""
+        x = self.res_self(x, lambda h: self.self_attn(h, key_mask=src_mask))
+        return self.res_ffn(x, self.ffn if routing is None else routing(self.ffn))
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, encoder-decoder attention, then the feed-forward network (§3.1)."""
+    """Masked self-attention, encoder-decoder attention, then the feed-forward network (§3.1);
+    `feed_forward` as in `EncoderLayer`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, feed_forward: FeedForwardBuilder | None = None) -> None:
         super().__init__()
         self.self_attn = _attention(cfg, causal=True)
         self.cross_attn = _attention(cfg, cross=True)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff) if feed_forward is None else feed_forward(cfg)
         self.res_self = Residual(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.res_cross = Residual(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.norm_first)
 
-    def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
-        """y (B, T, d_model); memory (B, S, d_model), the encoder's output; src_mask (B, S)."""
-        y = self.res_self(y, self.self_attn)
-        y = self.res_cross(y, lambda h: self.cross_attn(h, memory, src_mask))
-        return self.res_ffn(y, self.ffn)
+    def forward(
+        self,
+        y: Tensor,
+        memory: Tensor | None,
+        src_mask: Tensor | None,
+        cache: LayerCache | None = None,
+        routing: Routing | None = None,
+    ) -> Tensor:
+        """y (B, T, d_model); memory (B, S, d_model), the encoder's output; src_mask (B, S); cache: this
+        layer's keys and values in incremental decoding (y the newest positions; memory and src_mask
+        come from the cache); routing as in `EncoderLayer`."""
+        y = self.res_self(y, lambda h: self.self_attn(h, cache=cache))
+        y = self.res_cross(y, lambda h: self.cross_attn(h, memory, src_mask, cache=cache))
+        return self.res_ffn(y, self.ffn if routing is None else routing(self.ffn))

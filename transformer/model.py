@@ -2,23 +2,48 @@
 shared embedding matrix for source tokens, target tokens and the pre-softmax projection (§3.4).
 
     memory = model.encode(src, src_mask)                # (B, S, d_model)
-    logits = model.decode(tgt_in, memory, src_mask)     # (B, T, vocab), teacher forcing
-    logits = model(src, tgt_in)                         # both
+    states = model.decode(tgt_in, memory, src_mask)     # (B, T, d_model), teacher forcing
+    logits = model.project(states)                      # (B, T, vocab)
+    logits = model(src, tgt_in)                         # all three
 
-Decoding one token at a time, with cached keys and values, is `transformer.decoding`.
+Training (`training/loss.py`) and decoding (`decoding/`) run the same `decode`: the loss makes the
+projection itself; decoding passes a cache of keys and values and feeds one token at a time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer.attention import MultiHeadAttention
+from transformer.attention import LayerCache, MultiHeadAttention
 from transformer.config import ModelConfig
-from transformer.data.tokenizer import PAD_ID
-from transformer.layers import DecoderLayer, Embeddings, EncoderLayer, FeedForward
-from transformer.moe import use_mixture_of_experts
+from transformer.layers import DecoderLayer, Embeddings, EncoderLayer, FeedForward, Routing
+from transformer.moe import MixtureOfExperts
+from transformer.vocab import PAD_ID
+
+
+def mixture_of_experts(cfg: ModelConfig) -> MixtureOfExperts:
+    """A layer's position-wise network with `model.moe_experts` (a deviation, transformer/moe.py)."""
+    return MixtureOfExperts(cfg.d_model, cfg.d_ff, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity)
+
+
+class DecoderCache(Protocol):
+    """What `Transformer.decode` asks of a cache in incremental decoding (the implementation:
+    transformer/decoding/cache.py)."""
+
+    layers: Sequence[LayerCache]  # one per decoder layer
+
+    def positions(self, t: int) -> Tensor:
+        """(T,) the positions of the next t tokens."""
+        ...
+
+    def advance(self, t: int) -> None:
+        """Count t more positions as held."""
+        ...
 
 
 class Transformer(nn.Module):
@@ -26,13 +51,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embeddings(cfg)  # shared by encoder input, decoder input and output (§3.4)
-        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        feed_forward = mixture_of_experts if cfg.moe_experts else None  # None: Eq. (2), the paper
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, feed_forward) for _ in range(cfg.n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg, feed_forward) for _ in range(cfg.n_layers))
         # Pre-LN leaves the last residual stream un-normalized; post-LN (the paper) already ends in LayerNorm.
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
-        if cfg.moe_experts:  # a deviation: mixtures of experts for the feed-forward networks
-            use_mixture_of_experts(self, cfg)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -71,33 +95,43 @@ class Transformer(nn.Module):
         """(B, S) bool, True = a real (non-pad) source token."""
         return src != PAD_ID
 
-    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
-        """src (B, S) token ids -> memory (B, S, d_model)."""
+    def encode(self, src: Tensor, src_mask: Tensor | None = None, routing: Routing | None = None) -> Tensor:
+        """src (B, S) token ids -> memory (B, S, d_model); routing: a mixture of experts' in training."""
         src_mask = self.src_mask(src) if src_mask is None else src_mask
         x = self.embed(src)
         for layer in self.encoder:
-            x = layer(x, src_mask)
+            x = layer(x, src_mask, routing)
         return self.encoder_norm(x)
 
-    def decoder_states(self, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
-        """Teacher forcing: tgt (B, T) decoder inputs -> final decoder states (B, T, d_model)."""
-        y = self.embed(tgt)
-        for layer in self.decoder:
-            y = layer(y, memory, src_mask)
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor | None = None,
+        src_mask: Tensor | None = None,
+        cache: DecoderCache | None = None,
+        routing: Routing | None = None,
+    ) -> Tensor:
+        """tgt (B, T) decoder inputs ([BOS] + y_<t) -> final decoder states (B, T, d_model).
+
+        Incremental decoding: with a `cache`, tgt are the tokens after the positions the cache holds,
+        whose keys and values it keeps; the encoder's side comes from the cache (memory and src_mask
+        unused). The states are those a decode of the whole prefix gives at these positions."""
+        positions = None if cache is None else cache.positions(tgt.size(1))
+        y = self.embed(tgt, positions)
+        for i, layer in enumerate(self.decoder):
+            y = layer(y, memory, src_mask, None if cache is None else cache.layers[i], routing)
+        if cache is not None:
+            cache.advance(tgt.size(1))
         return self.decoder_norm(y)
 
     def project(self, states: Tensor) -> Tensor:
         """The pre-softmax linear transformation, with the shared embedding matrix: (B, T, d) -> (B, T, V)."""
         return F.linear(states, self.embed.weight)
 
-    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
-        """tgt (B, T) decoder inputs ([BOS] + y_<t) -> logits (B, T, V) over the next token."""
-        return self.project(self.decoder_states(tgt, memory, src_mask))
-
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        """Training: src (B, S), tgt (B, T) decoder inputs -> logits (B, T, V)."""
+        """src (B, S), tgt (B, T) decoder inputs -> logits (B, T, V): Figure 1 whole."""
         src_mask = self.src_mask(src)
-        return self.decode(tgt, self.encode(src, src_mask), src_mask)
+        return self.project(self.decode(tgt, self.encode(src, src_mask), src_mask))
 
     def num_parameters(self) -> int:
         """Distinct parameters (the shared embedding counted once)."""

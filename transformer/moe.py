@@ -11,31 +11,39 @@ load-balancing figures count real tokens only, so padding a batch further change
 
 The load-balancing loss of each layer, E * sum_e f_e * P_e (f_e: the fraction of tokens whose first
 choice is e; P_e: the router's mean probability of e), is 1 when the load is even; `moe_aux_loss` times
-their sum over the layers joins the training objective (`auxiliary_loss`).
+their sum over the layers joins the training objective (`training/loss.py`).
+
+A training forward hands each stack a `Routing`: the mask of its real tokens goes in, and each
+mixture's `RoutingStats` come out in its list.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer.config import ModelConfig
-from transformer.data.tokenizer import PAD_ID
 from transformer.layers import FeedForward
 
 
-class MixtureOfExperts(nn.Module):
-    """E feed-forward experts and a router W_r (d_model, E); forward(x (B, T, d_model)) -> (B, T, d_model).
+@dataclass
+class RoutingStats:
+    """One mixture's training forward: its load-balancing loss (with its gradient), the assignments
+    past capacity and all of them (device scalars)."""
 
-    `real` (B, T) bool, True = a real token, marks the padding of the next training forward (None:
-    every position is real); `use_mixture_of_experts` sets it from the token ids of each stack's input.
-    After a forward in training mode, `aux_loss` holds the layer's load-balancing loss (a scalar with
-    its gradient), `dropped` the number of assignments past capacity and `assignments` the number of
-    all of them (device scalars).
-    """
+    loss: Tensor
+    dropped: Tensor
+    assignments: Tensor
+
+
+class MixtureOfExperts(nn.Module):
+    """E feed-forward experts and a router W_r (d_model, E).
+
+    forward(x (B, T, d_model)) -> (B, T, d_model): every assignment kept (decoding);
+    route(x, real) -> the same with capacity, and the layer's `RoutingStats` (training)."""
 
     def __init__(self, d_model: int, d_ff: int, experts: int, top_k: int, capacity_factor: float) -> None:
         super().__init__()
@@ -43,71 +51,79 @@ class MixtureOfExperts(nn.Module):
         self.experts = nn.ModuleList(FeedForward(d_model, d_ff) for _ in range(experts))
         self.top_k = top_k
         self.capacity_factor = capacity_factor
-        self.real: Tensor | None = None
-        self.aux_loss: Tensor | None = None
-        self.dropped: Tensor | None = None
-        self.assignments: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.size(-1))  # (N, d_model)
+        _, expert, gate = self._choices(tokens)
+        return self._combine(tokens, expert, gate, torch.ones_like(expert, dtype=torch.bool)).view_as(x)
+
+    def route(self, x: Tensor, real: Tensor | None) -> tuple[Tensor, RoutingStats]:
+        """x (B, T, d_model); real (B, T) bool, True = a real token (None: every position is)."""
+        tokens = x.reshape(-1, x.size(-1))  # (N, d_model)
         n, n_experts = tokens.size(0), len(self.experts)
+        probs, expert, gate = self._choices(tokens)
+        real = probs.new_ones(n) if real is None else real.reshape(n).to(probs.dtype)  # (N,)
+        n_real = real.sum()  # a device scalar: no sync
+        count = n_real.clamp_min(1)
+        capacity = torch.ceil(self.capacity_factor * count * self.top_k / n_experts)
+        one_hot = F.one_hot(expert, n_experts) * real.repeat(self.top_k)[:, None].long()  # (k * N, E)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # place in its expert's queue; pads -1
+        keep = (position < capacity) & (position >= 0)
+        first = one_hot[:n].sum(0) / count  # f_e, over real tokens (padding rows are zero)
+        mean_prob = (probs * real[:, None]).sum(0) / count  # P_e, over real tokens
+        assignments = n_real * self.top_k
+        stats = RoutingStats(n_experts * (first * mean_prob).sum(), assignments - keep.sum(), assignments)
+        return self._combine(tokens, expert, gate, keep).view_as(x), stats
+
+    def _choices(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The router's probabilities (N, E) float32, and the assignments in priority order (every
+        token's first choice, then every second choice, ...): expert (k * N,) and gate (k * N,)."""
         probs = F.softmax(self.router(tokens).float(), dim=-1)  # (N, E)
         gate, expert = probs.topk(self.top_k, dim=-1)  # (N, k) each, best first
         if self.top_k > 1:
             gate = gate / gate.sum(-1, keepdim=True)
-        # assignments in priority order: every token's first choice, then every second choice, ...
-        expert, gate = expert.t().reshape(-1), gate.t().reshape(-1)  # (k * N,)
-        token = torch.arange(n, device=x.device).repeat(self.top_k)  # (k * N,)
-        keep = torch.ones_like(expert, dtype=torch.bool)
-        if self.training:
-            real = probs.new_ones(n) if self.real is None else self.real.reshape(n).to(probs.dtype)  # (N,)
-            n_real = real.sum()  # a device scalar: no sync
-            count = n_real.clamp_min(1)
-            capacity = torch.ceil(self.capacity_factor * count * self.top_k / n_experts)
-            one_hot = F.one_hot(expert, n_experts) * real.repeat(self.top_k)[:, None].long()  # (k * N, E)
-            position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # place in its expert's queue; pads -1
-            keep = (position < capacity) & (position >= 0)
-            first = one_hot[:n].sum(0) / count  # f_e, over real tokens (padding rows are zero)
-            mean_prob = (probs * real[:, None]).sum(0) / count  # P_e, over real tokens
-            self.aux_loss = n_experts * (first * mean_prob).sum()
-            self.assignments = n_real * self.top_k
-            self.dropped = self.assignments - keep.sum()
-        else:
-            self.aux_loss = None
+        return probs, expert.t().reshape(-1), gate.t().reshape(-1)
+
+    def _combine(self, tokens: Tensor, expert: Tensor, gate: Tensor, keep: Tensor) -> Tensor:
+        """sum over a token's kept assignments of gate x expert(token): (N, d_model)."""
+        token = torch.arange(tokens.size(0), device=tokens.device).repeat(self.top_k)  # (k * N,)
         out = torch.zeros_like(tokens)
         for e, ffn in enumerate(self.experts):
             chosen = ((expert == e) & keep).nonzero().squeeze(-1)  # every expert runs, on no rows if none
             rows = token[chosen]
             out.index_add_(0, rows, ffn(tokens[rows]) * gate[chosen, None].to(tokens.dtype))
-        return out.view_as(x)
+        return out
 
 
-def use_mixture_of_experts(model: nn.Module, cfg: ModelConfig) -> None:
-    """Replace the feed-forward network of every encoder and decoder layer with a mixture of experts,
-    and show them the padding of each stack's input: the shared embedding sees the source before the
-    encoder runs and the target before the decoder runs."""
-    for layer in [*model.encoder, *model.decoder]:
-        layer.ffn = MixtureOfExperts(cfg.d_model, cfg.d_ff, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity)
-    mixtures = [layer.ffn for layer in [*model.encoder, *model.decoder]]
-    model.embed.register_forward_pre_hook(partial(_mark_padding, mixtures))  # a copy of the model maps it
+@dataclass
+class Routing:
+    """One stack's part of a training forward: `real` (B, T), True = a real token of its input, goes in;
+    each mixture of the stack appends its statistics to `stats`. Called with a layer's feed-forward
+    network, gives it as the layer calls it: a mixture routes with capacity; a dense one is itself."""
+
+    real: Tensor
+    stats: list[RoutingStats] = field(default_factory=list)
+
+    def __call__(self, ffn: nn.Module) -> Callable[[Tensor], Tensor]:
+        if not isinstance(ffn, MixtureOfExperts):
+            return ffn
+        return self._routed(ffn)
+
+    def _routed(self, moe: MixtureOfExperts) -> Callable[[Tensor], Tensor]:
+        def call(x: Tensor) -> Tensor:
+            out, stats = moe.route(x, self.real)
+            self.stats.append(stats)
+            return out
+
+        return call
 
 
-def _mark_padding(mixtures: list[MixtureOfExperts], embed: nn.Module, args: tuple) -> None:
-    real = args[0] != PAD_ID if embed.training else None  # (B, T); decoding routes without capacity
-    for moe in mixtures:
-        moe.real = real
+def load_balancing_loss(stats: list[RoutingStats]) -> Tensor:
+    """The sum of the layers' load-balancing losses."""
+    return torch.stack([s.loss for s in stats]).sum()
 
 
-def dropped_fraction(model: nn.Module) -> Tensor:
-    """The share of assignments past capacity in the last training forward, over every layer: a device
-    scalar, read with the step's other figures."""
-    mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts) and m.dropped is not None]
-    dropped = torch.stack([m.dropped for m in mixtures]).sum()
-    return dropped / torch.stack([m.assignments for m in mixtures]).sum().clamp_min(1)
-
-
-def auxiliary_loss(model: nn.Module) -> Tensor | None:
-    """The sum of the layers' load-balancing losses of the last training forward; None without experts."""
-    mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
-    losses = [m.aux_loss for m in mixtures if m.aux_loss is not None]
-    return torch.stack(losses).sum() if losses else None
+def dropped_fraction(stats: list[RoutingStats]) -> Tensor:
+    """The share of assignments past capacity over every layer: a device scalar."""
+    dropped = torch.stack([s.dropped for s in stats]).sum()
+    return dropped / torch.stack([s.assignments for s in stats]).sum().clamp_min(1)

@@ -8,47 +8,39 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import ConfigError, DecodeConfig
-from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import SearchResult, beam_search, search_weights
-from transformer.kernels import apply_cpu_kernels, prepacked
+from transformer.devices import decoding_dtype, resolve_device
+from transformer.kernels import Kernels
 from transformer.model import Transformer
+from transformer.vocab import EOS_ID, PAD_ID
 
 log = logging.getLogger(__name__)
-
-
-def exit_with_error(error: BaseException) -> NoReturn:
-    """What the command-line apps do with a user's mistake: one line on stderr, exit status 2."""
-    message = str(error).strip().splitlines()
-    print(f"error: {message[0] if message else type(error).__name__}", file=sys.stderr)
-    sys.exit(2)
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto" = the first CUDA device when there is one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name} was asked for, but this machine has no CUDA device; use device=cpu")
-    return torch.device(name)
 
 
 class Translator:
     """A checkpoint's model and tokenizer with the decoding settings of `DecodeConfig` (§6.1)."""
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, cfg: DecodeConfig, info: dict[str, Any] | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        cfg: DecodeConfig,
+        info: dict[str, Any] | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
+        """model: with `kernels` in place already (`from_checkpoint` does both)."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.kernels = Kernels() if kernels is None else kernels
         self.info = info or {}  # the checkpoint's step, data_meta and run config
         self.device = next(model.parameters()).device
         positions = model.cfg.max_positions
@@ -74,6 +66,7 @@ class Translator:
             raise ConfigError(f"cuda_graphs=true needs a CUDA device; device={cfg.device} gives the CPU")
         if cfg.cuda_graphs is None:
             cfg = dataclasses.replace(cfg, cuda_graphs=device.type == "cuda")
+        dtype = decoding_dtype(cfg.precision, device)  # scores still add up in float32 (decoding/search.py)
         ckpt = load_checkpoint(cfg.checkpoint)
         if not ckpt.get("spm_model"):
             raise CheckpointError(f"{cfg.checkpoint} carries no tokenizer (spm_model)")
@@ -83,16 +76,10 @@ class Translator:
         except (RuntimeError, ValueError, KeyError, TypeError) as error:  # mismatched weights or config
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise CheckpointError(f"{cfg.checkpoint} cannot be loaded: {first}") from None
-        if cfg.precision == "int8" and device.type != "cpu":
-            raise ConfigError(
-                f"precision=int8 runs on the CPU; device={cfg.device} gives {device}: add device=cpu"
-            )
-        model = model.to(device)  # out of the try: a device's error (out of memory) is not the file's
-        if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda"):
-            model = model.to(torch.bfloat16)  # scores still add up in float32 (decoding/search.py)
-        if device.type == "cpu":
-            apply_cpu_kernels(model)
-        return cls(model, tokenizer, cfg, {k: ckpt.get(k) for k in ("step", "data_meta", "config")})
+        model = model.to(device, dtype)  # out of the try: a device's error (out of memory) is not the file's
+        kernels = Kernels.for_device(device)
+        info = {k: ckpt.get(k) for k in ("step", "data_meta", "config")}
+        return cls(kernels.apply(model), tokenizer, cfg, info, kernels)
 
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Source ids (pieces + [EOS]) per line; over-long lines are truncated with a warning."""
@@ -107,9 +94,9 @@ class Translator:
         return sources
 
     def packed(self) -> AbstractContextManager[None]:
-        """The weights packed once for every batch (`kernels.prepacked`), in 8 bits for precision=int8."""
+        """The weights packed once for every batch (`Products.prepacked`), in 8 bits for precision=int8."""
         int8 = self.cfg.precision == "int8"
-        return prepacked(search_weights(self.model, int8), int8)
+        return self.kernels.products.prepacked(search_weights(self.model, int8), int8)
 
     def search(self, src: torch.Tensor) -> SearchResult:
         """Beam search as in §6.1 (beam_size=1: greedy, without length penalty) on a padded batch (B, S);
@@ -117,7 +104,8 @@ class Translator:
         cfg = self.cfg
         alpha = cfg.alpha if cfg.beam_size > 1 else 0.0
         limits = dict(max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
-        return beam_search(self.model, src, cfg.beam_size, alpha, **limits, static=cfg.cuda_graphs)
+        static, linear = cfg.cuda_graphs, self.kernels.products
+        return beam_search(self.model, src, cfg.beam_size, alpha, **limits, static=static, linear=linear)
 
     def translate_ids(self, sources: list[list[int]], progress: bool = False) -> list[list[int]]:
         """Output piece ids per source; sources are batched by length and results put back in order."""

@@ -10,23 +10,25 @@ from __future__ import annotations
 import io
 import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from transformer.atomic import write_atomic
+from transformer import atomic
 from transformer.attention import MultiHeadAttention, reference_attention
 from transformer.config import ConfigError, VisualizeConfig
-from transformer.data.tokenizer import BOS_ID, Tokenizer
+from transformer.data.tokenizer import Tokenizer
 from transformer.model import Transformer
+from transformer.replace import replaced, shallow_copy
 from transformer.translation import Translator
+from transformer.vocab import BOS_ID
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=nn.Module)
 
 # Pieces per side of a heatmap: past this the labels cannot be read, and the image (its panels grow
 # with the pieces) takes gigabytes.
@@ -49,7 +51,11 @@ class AttentionRecord:
 
 
 class _Recording(MultiHeadAttention):
-    """`MultiHeadAttention` through `reference_attention`, keeping its weights."""
+    """`MultiHeadAttention` through `reference_attention`, keeping its weights in `records`."""
+
+    kind: str
+    layer: int
+    records: list[AttentionRecord]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         out, weights = reference_attention(q, k, v, mask, causal, self.dropout if self.training else 0.0)
@@ -57,26 +63,21 @@ class _Recording(MultiHeadAttention):
         return out
 
 
-@contextmanager
-def record_attention(model: nn.Module) -> Iterator[list[AttentionRecord]]:
-    """Within the block, every attention of `model` takes the written-out path and its weights are
-    collected in the list yielded."""
+def recording(model: M) -> tuple[M, list[AttentionRecord]]:
+    """A copy of `model` (the same parameters; the model itself untouched) whose every attention takes
+    the written-out path and appends its weights to the list returned with it."""
     records: list[AttentionRecord] = []
-    swapped = []
-    for name, module in model.named_modules():
-        if isinstance(module, MultiHeadAttention):
-            swapped.append((module, type(module)))
-            module.__class__ = _Recording
-            module.kind = "cross" if module.cross else "decoder_self" if module.causal else "encoder_self"
-            parts = name.split(".")  # e.g. "decoder.3.cross_attn"
-            module.layer = int(parts[-2]) if len(parts) > 1 and parts[-2].isdigit() else 0
-            module.records = records
-    try:
-        yield records
-    finally:
-        for module, kind in swapped:
-            module.__class__ = kind
-            del module.kind, module.layer, module.records
+    names = {module: name for name, module in model.named_modules()}
+
+    def replace(module: nn.Module) -> nn.Module | None:
+        if not isinstance(module, MultiHeadAttention):
+            return None
+        parts = names[module].split(".")  # e.g. "decoder.3.cross_attn"
+        layer = int(parts[-2]) if len(parts) > 1 and parts[-2].isdigit() else 0
+        kind = "cross" if module.cross else "decoder_self" if module.causal else "encoder_self"
+        return shallow_copy(module, _Recording, kind=kind, layer=layer, records=records)
+
+    return replaced(model, replace), records
 
 
 @torch.inference_mode()
@@ -85,9 +86,9 @@ def record(model: Transformer, src_ids: list[int], tgt_in: list[int]) -> list[At
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], device=device)  # (1, S)
     tgt = torch.tensor([tgt_in], device=device)  # (1, T)
-    with record_attention(model) as records:
-        model(src, tgt)
-    return list(records)
+    recorder, records = recording(model)
+    recorder(src, tgt)
+    return records
 
 
 def plot_heads(weights: torch.Tensor, queries: list[str], keys: list[str], title: str) -> Figure:
@@ -140,7 +141,7 @@ def save_figures(figures: dict[str, Figure], out_dir: str | Path, dpi: int = 120
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=dpi)
         paths.append(out_dir / f"{kind}.png")
-        write_atomic(paths[-1], buffer.getvalue())
+        atomic.write_bytes(paths[-1], buffer.getvalue())
     return paths
 
 

@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from bench.measure import FIRST_TOKEN, Setup, interleave
 from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ModelConfig
-from transformer.data.tokenizer import EOS_ID
 from transformer.decoding import beam_search, greedy_search, search_weights
-from transformer.kernels import apply_cpu_kernels, prepacked
+from transformer.kernels import Kernels
 from transformer.model import Transformer
+from transformer.vocab import EOS_ID
 
 
 def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
@@ -35,14 +35,23 @@ def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str
     return {"ours": ours, "marian": marian, "ct2": tokens}
 
 
-def ours_decoder(model: Transformer, new_tokens: int, graphs: bool = False) -> Callable[[Tensor, int], int]:
+def ours_decoder(
+    model: Transformer, new_tokens: int, kernels: Kernels, graphs: bool = False
+) -> Callable[[Tensor, int], int]:
     """beam_search / greedy_search with exactly new_tokens outputs: L = 0 x |X| + new_tokens, and EOS
-    suppressed through step new_tokens (min_len). With graphs, beam_search in static shapes replaying
-    each step as a CUDA graph (greedy: a beam of 1 without length penalty), recorded anew for every
-    call, as translate.py does for every batch. Returns the output tokens."""
+    suppressed through step new_tokens (min_len), with the kernels as translate.py hands them over.
+    With graphs, beam_search in static shapes replaying each step as a CUDA graph (greedy: a beam of 1
+    without length penalty), recorded anew for every call, as translate.py does for every batch.
+    Returns the output tokens."""
+    model = kernels.apply(model)
 
     def run(src: Tensor, beam: int) -> int:
-        limits = {"max_len_a": 0.0, "max_len_b": new_tokens, "min_len": new_tokens}
+        limits = {
+            "max_len_a": 0.0,
+            "max_len_b": new_tokens,
+            "min_len": new_tokens,
+            "linear": kernels.products,
+        }
         if graphs:
             result = beam_search(model, src, beam, 0.6 if beam > 1 else 0.0, **limits, static=True)
         elif beam > 1:
@@ -51,13 +60,8 @@ def ours_decoder(model: Transformer, new_tokens: int, graphs: bool = False) -> C
             result = greedy_search(model, src, **limits)
         return sum(len(tokens) for tokens in result.tokens)
 
-    run.model = model  # section_decode packs its weights
+    run.model, run.products = model, kernels.products  # section_decode packs its weights
     return run
-
-
-def int8_copy(model: Transformer) -> Transformer:
-    """Its own copy of the weights: packed in 8 bits apart from the float32 ones."""
-    return copy.deepcopy(model)
 
 
 def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -96,6 +100,7 @@ def ct2_decoder(worker: Ct2Process, new_tokens: int) -> Callable[[list[list[str]
 
 def build_decoders(
     ours: Transformer,
+    kernels: Kernels,
     cfg: ModelConfig,
     setup: Setup,
     peers: set[str],
@@ -107,13 +112,14 @@ def build_decoders(
     """name -> (which inputs it reads, run(inputs, beam) -> output tokens). Random weights, eval mode;
     bf16 models on CUDA, as translate.py runs them."""
     cuda = setup.device.type == "cuda"
-    decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens))}
-    if not cuda:  # translate.py precision=int8: the same weights in 8 bits (section_decode packs them)
-        decoders["ours int8"] = ("ours", ours_decoder(int8_copy(ours), args.new_tokens))
+    decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens, kernels))}
+    if not cuda:  # translate.py precision=int8: a copy of the weights in 8 bits (section_decode packs them)
+        int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.for_device(setup.device))
+        decoders["ours int8"] = ("ours", int8)
     # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that the others have warmed
     # up first (a capture that raises drops this row with a note; one that broke the CUDA context would
     # fail the section, and the benchmark reports the sections it has)
-    graphed = {"ours, CUDA graphs": ("ours", ours_decoder(ours, args.new_tokens, graphs=True))}
+    graphed = {"ours, CUDA graphs": ("ours", ours_decoder(ours, args.new_tokens, kernels, graphs=True))}
     graphed = graphed if cuda else {}
     if "marian" not in peers:
         if "ct2" in peers:
@@ -191,18 +197,16 @@ def section_decode(
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32  # as translate.py
     ours = Transformer(cfg).eval().to(setup.device, dtype)
-    if setup.device.type == "cpu":
-        apply_cpu_kernels(ours)  # as translate.py applies them
+    kernels = Kernels.for_device(setup.device)  # as translate.py hands them over
     with tempfile.TemporaryDirectory() as workdir, ExitStack() as cleanup:
-        decoders = build_decoders(ours, cfg, setup, peers, args, Path(workdir), notes, cleanup)
+        decoders = build_decoders(ours, kernels, cfg, setup, peers, args, Path(workdir), notes, cleanup)
         # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on
         # a CPU; CTranslate2 packs its own when it loads the model), the int8 copy's in 8 bits
         packed = ExitStack()
-        packed.enter_context(prepacked(search_weights(ours)))
-        if "ours int8" in decoders:
-            packed.enter_context(
-                prepacked(search_weights(decoders["ours int8"][1].model, int8=True), int8=True)
-            )
+        for name, int8 in (("ours", False), ("ours int8", True)):
+            if name in decoders:
+                run = decoders[name][1]
+                packed.enter_context(run.products.prepacked(search_weights(run.model, int8), int8))
         with torch.inference_mode(), packed:
             return {
                 "beam4": bench_decode_mode(decoders, 4, args.beam_sentences, cfg, setup, args, notes),

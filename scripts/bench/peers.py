@@ -16,19 +16,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer.config import ModelConfig
-from transformer.data.tokenizer import PAD_ID
 from transformer.export import huggingface
+from transformer.kernels import Kernels
 from transformer.layers import sinusoidal_table
 from transformer.model import Transformer
 from transformer.training.loss import Seq2SeqLoss
+from transformer.vocab import PAD_ID
 
 
 class OursObjective(nn.Module):
     """The project's training objective, Seq2SeqLoss; returns the summed smoothed loss only."""
 
-    def __init__(self, cfg: ModelConfig, label_smoothing: float) -> None:
+    def __init__(self, cfg: ModelConfig, label_smoothing: float, kernels: Kernels | None = None) -> None:
         super().__init__()
-        self.objective = Seq2SeqLoss(Transformer(cfg), label_smoothing)
+        kernels = Kernels() if kernels is None else kernels  # as training hands them over
+        self.objective = Seq2SeqLoss(kernels.apply(Transformer(cfg)), label_smoothing, kernels.products)
 
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
         return self.objective(src, tgt_in, tgt_out)[0]

@@ -30,7 +30,7 @@ from bench.measure import (
 from bench.peers import MarianPeer, OursObjective, TorchTransformerPeer
 from transformer.config import ModelConfig
 from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate
-from transformer.kernels import apply_cpu_kernels
+from transformer.kernels import Kernels
 
 BIG = ModelConfig(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3)  # Table 3: big
 PAPER_BUDGETS = {  # §5.2: steps x ~25k target tokens per step; time the paper took on 8 P100 GPUs
@@ -58,9 +58,11 @@ def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: in
     trainees = []
     for name in families:
         torch.manual_seed(seed)
-        module = builders[name](cfg, setup.label_smoothing).to(setup.device).train()
-        if name == "ours" and setup.device.type == "cpu":
-            apply_cpu_kernels(module)  # as training applies them (training.distributed.wrap)
+        if name == "ours":  # with the kernels as training hands them over (training/state.py)
+            module = OursObjective(cfg, setup.label_smoothing, Kernels.for_device(setup.device))
+        else:
+            module = builders[name](cfg, setup.label_smoothing)
+        module = module.to(setup.device).train()
         optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
         trainees.append(Trainee(name, "eager", module, module, optimizer))
         if compile:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 def padded_length(pieces: Any, multiple: int) -> Any:

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from transformer.atomic import atomic_write, write_atomic
-from transformer.data.tokenizer import UNK_ID, Tokenizer
+from transformer import atomic
+from transformer.data.tokenizer import Tokenizer
+from transformer.vocab import UNK_ID
 
 CHUNK_PAIRS = 20_000  # pairs per task sent to a worker: large enough to amortise the transfer
 DROP_REASONS = ("empty", "too_long", "length_ratio")
@@ -94,8 +95,8 @@ def encode_split(
     stats = SplitStats(dropped={reason: 0 for reason in DROP_REASONS} if length_filter else {})
     src_lengths, tgt_lengths = [], []
     with ExitStack() as stack:
-        src_bin = stack.enter_context(atomic_write(out["src_bin"]))
-        tgt_bin = stack.enter_context(atomic_write(out["tgt_bin"]))
+        src_bin = stack.enter_context(atomic.writing(out["src_bin"]))
+        tgt_bin = stack.enter_context(atomic.writing(out["tgt_bin"]))
         chunks = _encode_chunks(tasks, model_bytes, num_workers, len(src) > CHUNK_PAIRS, stack)
         bar = stack.enter_context(tqdm(total=len(src), desc=desc, unit=" pairs", unit_scale=True))
         for chunk in chunks:
@@ -105,8 +106,8 @@ def encode_split(
             tgt_lengths.append(chunk.tgt_lengths)
             _accumulate(stats, chunk)
             bar.update(len(chunk.src_lengths) + sum(chunk.dropped.values()))
-        write_atomic(out["src_idx"], _offsets(src_lengths).tobytes())
-        write_atomic(out["tgt_idx"], _offsets(tgt_lengths).tobytes())
+        atomic.write_bytes(out["src_idx"], _offsets(src_lengths).tobytes())
+        atomic.write_bytes(out["tgt_idx"], _offsets(tgt_lengths).tobytes())
     return stats
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from transformer.atomic import remove_temp_files, write_atomic
+from transformer import atomic
+from transformer.atomic import remove_temp_files
 from transformer.config import ConfigError, DataConfig, to_dict
 from transformer.data import tokenizer as spm_tokenizer
 from transformer.data.binarize import (
@@ -34,6 +35,7 @@ from transformer.data.binarize import (
     shard_files,
 )
 from transformer.data.sources import DataError, Split, load_splits, split_names
+from transformer.vocab import SPECIAL_IDS
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ def prepare(cfg: DataConfig) -> Path:
         meta["complete"] = False
         _write_meta(out, meta)  # readers must not trust shards while they are being replaced
         if not tokenizer_done:
-            _train_tokenizer(out, cfg, meta, splits["train"])
+            _learn_tokenizer(out, cfg, meta, splits["train"])
         model_bytes = (out / SPM_FILE).read_bytes()
         for role in pending:
             _binarize(out, cfg, meta, splits[role], model_bytes, n_empty if role == "train" else 0)
@@ -106,7 +108,7 @@ def _fresh_meta(cfg: DataConfig, config: dict[str, Any]) -> dict[str, Any]:
         "split_names": split_names(cfg),  # role -> the split's name in the source
         "vocab_size": None,
         "dtype": None,
-        "special_ids": dict(spm_tokenizer.SPECIAL_IDS),
+        "special_ids": dict(SPECIAL_IDS),
         "tokenizer": None,
         "splits": {},
         "config": config,
@@ -139,19 +141,19 @@ def _drop_empty(split: Split) -> tuple[Split, int]:
     return Split(split.role, split.name, src, tgt, split.origin), len(split.src) - len(keep)
 
 
-def _train_tokenizer(out: Path, cfg: DataConfig, meta: dict[str, Any], train: Split) -> None:
+def _learn_tokenizer(out: Path, cfg: DataConfig, meta: dict[str, Any], train: Split) -> None:
     """One BPE model for both languages, learned on a seeded random sample of both sides (§5.1)."""
     sample = _bpe_sample(train, cfg.spm_sample_size)
     log.info("learning a shared BPE vocabulary of %d pieces from %d sentences", cfg.vocab_size, len(sample))
     start = time.perf_counter()
     try:
-        model_bytes = spm_tokenizer.train(
+        model_bytes = spm_tokenizer.learn_bpe(
             sample, cfg.vocab_size, lowercase=cfg.lowercase, num_threads=cfg.num_workers
         )
     except ValueError as error:
         raise DataError(str(error)) from None
     log.info("learned the BPE model in %.1f s", time.perf_counter() - start)
-    write_atomic(out / SPM_FILE, model_bytes)
+    atomic.write_bytes(out / SPM_FILE, model_bytes)
     vocab_size = spm_tokenizer.Tokenizer.from_bytes(model_bytes).vocab_size
     meta["tokenizer"] = {
         "file": SPM_FILE,
@@ -219,7 +221,9 @@ def _split_entry(split: Split, stats: SplitStats, files: dict[str, Path], n_read
 
 
 def _write_meta(out: Path, meta: dict[str, Any]) -> None:
-    write_atomic(out / "meta.json", (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    atomic.write_bytes(
+        out / "meta.json", (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    )
 
 
 def _summary(meta: dict[str, Any]) -> str:

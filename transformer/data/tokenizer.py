@@ -17,8 +17,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-SPECIAL_IDS = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, SPECIAL_IDS, UNK_ID
 
 
 class Tokenizer:
@@ -76,7 +75,7 @@ class Tokenizer:
         return self._sp.piece_to_id(piece)
 
 
-def train(
+def learn_bpe(
     sentences: Iterable[str], vocab_size: int, *, lowercase: bool = False, num_threads: int = 1
 ) -> bytes:
     """Learn a BPE model (model_type=bpe, §5.1) on `sentences`; returns the serialized model.

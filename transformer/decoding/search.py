@@ -24,13 +24,13 @@ One loop, two ways to run it (`static`): by default done sentences leave the bat
 decode faster; with `static=True` every step has the same shapes and memory and reads nothing on the
 host (done sentences stay, their results frozen), so that on CUDA its steps are recorded as two CUDA
 graphs and replayed in turn (`translate.py cuda_graphs=true`), the host reading one "all done?" flag
-per step. Scores are accumulated in float32, so the model may run in bfloat16.
+per step. Scores are accumulated in float32, so the model may run in bfloat16. The decoder is the
+model's own `decode`, run on the newest tokens with a `DecoderCache` (decoding/cache.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -40,12 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer.decoding.cache import DecoderCache, decode_step
-from transformer.kernels import linear
+from transformer.decoding.cache import DecoderCache
 from transformer.model import Transformer
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
+Linear = Callable[[Tensor, Tensor], Tensor]  # x (R, d), W (V', d) -> x W^T: F.linear, or kernels.Products
 VOCAB_CHUNK = 8192  # vocabulary entries projected at once on a CPU while choosing the next tokens
 
 
@@ -113,12 +113,130 @@ class _Beams:
     done: Tensor  # (N,) bool: the sentence's result is final
     reorder: Tensor  # (N * k,) the row each row of the last step extends (the cache's reorder)
 
+    @classmethod
+    def start(cls, src: Tensor, max_len: Tensor, k: int, alpha: float, limit: int) -> _Beams:
+        """One live hypothesis per sentence, [BOS]; the other k - 1 beams impossible until step 1."""
+        b, device = src.size(0), src.device
+        scores = torch.full((b, k), NEG_INF, device=device)
+        scores[:, 0] = 0.0
+        return cls(
+            ids=torch.arange(b, device=device),
+            max_len=max_len,
+            lp_max=length_penalty(max_len, alpha),
+            last=src.new_full((b * k, 1), BOS_ID),
+            tokens=src.new_zeros(b * k, limit),
+            scores=scores,
+            best=torch.full((b,), NEG_INF, device=device),
+            best_tokens=src.new_zeros(b, limit),
+            best_len=src.new_zeros(b),
+            done=torch.zeros(b, dtype=torch.bool, device=device),
+            reorder=torch.arange(b * k, device=device),
+        )
+
+    def extend(self, reorder: Tensor, new_token: Tensor, step: Tensor) -> None:
+        """Row i becomes row reorder[i] (N * k,) extended by new_token[i] (N * k, 1) at `step`, in place."""
+        tokens = self.tokens.index_select(0, reorder)  # (N * k, L)
+        tokens.index_copy_(1, (step - 1).view(1), new_token)
+        self.tokens.copy_(tokens)
+        self.last.copy_(new_token)
+        self.reorder.copy_(reorder)
+
+    def finish(self, scores: Tensor, tokens: Tensor, length: Tensor) -> None:
+        """Make (scores (N,), tokens (N, L) of `length` ()) the best finished hypotheses where they beat
+        the old ones, except in sentences already done."""
+        better = (scores > self.best) & ~self.done  # (N,)
+        self.best_tokens.copy_(torch.where(better[:, None], tokens, self.best_tokens))
+        self.best_len.copy_(torch.where(better, length, self.best_len))
+        self.best.copy_(torch.where(better, scores, self.best))
+
     def keep(self, sentences: Tensor, k: int) -> _Beams:
         """Only `sentences` (n,) stay, with their rows (n * k,)."""
         rows = (sentences[:, None] * k + torch.arange(k, device=sentences.device)).view(-1)  # (n * k,)
         per_row = ("last", "tokens", "reorder")
         kept = {f.name: getattr(self, f.name)[rows if f.name in per_row else sentences] for f in fields(self)}
         return _Beams(**kept)
+
+
+class BeamSearch:
+    """The search of one batch, step by step: `step()` extends every live hypothesis by one token; in
+    the dynamic layout `leave()` then lets done sentences leave the batch. `beam_search` runs it."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        src: Tensor,
+        beam_size: int,
+        alpha: float,
+        max_len: tuple[float, int],
+        min_len: int,
+        static: bool,
+        linear: Linear,
+    ) -> None:
+        """src (B, S): rows of pieces + [EOS], padded with PAD_ID; max_len (a, b): L = a |X| + b."""
+        self.model, self.k, self.alpha, self.min_len, self.static = model, beam_size, alpha, min_len, static
+        self.linear = linear
+        b = src.size(0)
+        src_mask = source_mask(model, src)  # (B, S)
+        memory = model.encode(src, src_mask)  # (B, S, d_model)
+        limits = max_output_lengths(src_mask, *max_len, model.cfg.max_positions)  # (B,)
+        limit = int(limits.max())
+        self.cache = DecoderCache(model, memory, src_mask, b * beam_size, limit, static)
+        self.beams = _Beams.start(src, limits, beam_size, alpha, limit)
+        self.results = _Results(b)
+
+    def step(self) -> None:
+        """Extend every live hypothesis by one token, in place; finish those ending in EOS and those at
+        their limit; mark the sentences that are done. Reads nothing on the host."""
+        beams, cache, k = self.beams, self.cache, self.k
+        step = cache.position + 1  # () long: the output position chosen now, 1-based
+        states = self.model.decode(beams.last, cache=cache)[:, -1]  # (N * k, d_model)
+        log_probs, next_tokens = best_next_tokens(  # (N * k, 2k) twice
+            states, self.model.embed.weight, step, self.min_len, 2 * k, self.linear
+        )
+        penalty = length_penalty(step.double(), self.alpha).float()  # () float32
+        live_scores, reorder, new_token, eos_best, eos_row = rank_extensions(
+            beams.scores, log_probs, next_tokens, k, penalty
+        )
+        beams.finish(eos_best, beams.tokens[eos_row], step - 1)  # EOS itself is not output
+        beams.extend(reorder, new_token, step)
+        n = beams.scores.size(0)
+        cut = torch.where(beams.max_len[:, None] == step, live_scores / penalty, NEG_INF)  # (N, k): at L_n
+        cut_best, cut_pick = cut.max(dim=1)  # (N,)
+        beams.finish(cut_best, beams.tokens[torch.arange(n, device=cut.device) * k + cut_pick], step)
+        # Done: at the length limit, or no live hypothesis can still beat the best finished one.
+        beams.done |= (beams.best >= live_scores.max(dim=1).values / beams.lp_max) | (beams.max_len == step)
+        beams.scores.copy_(live_scores)
+        if self.static and k > 1:  # a beam of 1 extends its own row
+            cache.reorder(reorder)
+
+    def done(self) -> bool:
+        """Whether every sentence is done (a read from the device)."""
+        return bool(self.beams.done.all())
+
+    def leave(self) -> bool:
+        """The dynamic layout after a step: done sentences leave the batch (their results stored) and
+        the cache follows the hypotheses; False once every sentence is done."""
+        beams, k = self.beams, self.k
+        if bool(beams.done.any()):
+            done = beams.done
+            self.results.store(
+                beams.ids[done], beams.best_tokens[done], beams.best_len[done], beams.best[done]
+            )
+            if bool(beams.done.all()):
+                self.beams = None
+                return False
+            sentences = (~done).nonzero().squeeze(1)
+            self.beams = beams.keep(sentences, k)
+            self.cache.reorder(self.beams.reorder, sentences)
+        elif k > 1:
+            self.cache.reorder(beams.reorder)
+        return True
+
+    def result(self) -> SearchResult:
+        beams = self.beams
+        if beams is not None:
+            self.results.store(beams.ids, beams.best_tokens, beams.best_len, beams.best)
+        return self.results.result()
 
 
 @torch.inference_mode()
@@ -132,121 +250,45 @@ def beam_search(
     min_len: int = 0,
     static: bool = False,
     graphs: bool | None = None,
+    linear: Linear = F.linear,
 ) -> SearchResult:
     """Beam search with the GNMT length penalty (§6.1), batched over the sentences of src (B, S): rows
     of pieces + [EOS], padded with PAD_ID. EOS is held back through step `min_len` (benchmarks that
     force an output length). `static`: in static shapes; `graphs` (default: on CUDA) with every step
-    after the first a CUDA graph replay."""
-    k, b, device = beam_size, src.size(0), src.device
-    src_mask = source_mask(model, src)  # (B, S)
-    memory = model.encode(src, src_mask)  # (B, S, d_model)
-    max_len = max_output_lengths(src_mask, max_len_a, max_len_b, model.cfg.max_positions)
-    limit = int(max_len.max())
-    cache = DecoderCache(model, memory, src_mask, b * k, limit, static)
-    scores = torch.full((b, k), NEG_INF, device=device)
-    scores[:, 0] = 0.0  # one live hypothesis per sentence at first: [BOS]
-    beams = _Beams(
-        ids=torch.arange(b, device=device),
-        max_len=max_len,
-        lp_max=length_penalty(max_len, alpha),
-        last=src.new_full((b * k, 1), BOS_ID),
-        tokens=src.new_zeros(b * k, limit),
-        scores=scores,
-        best=torch.full((b,), NEG_INF, device=device),
-        best_tokens=src.new_zeros(b, limit),
-        best_len=src.new_zeros(b),
-        done=torch.zeros(b, dtype=torch.bool, device=device),
-        reorder=torch.arange(b * k, device=device),
-    )
-    results = _Results(b)
+    after the first a CUDA graph replay. `linear` makes the output projection (`kernels.Products`)."""
+    search = BeamSearch(model, src, beam_size, alpha, (max_len_a, max_len_b), min_len, static, linear)
     graphs = (static and src.is_cuda) if graphs is None else graphs
     if graphs and not (static and src.is_cuda):
         raise ValueError("CUDA graphs need static=True and the model and src on a CUDA device")
+    limit = search.beams.tokens.size(1)
     # graphs record and replay on the streams of the current device: make it src's (cuda:1 too)
-    with torch.cuda.device(device) if graphs else contextlib.nullcontext():
-        step = functools.partial(_step, model, cache, beams, k, alpha, min_len, reorder_cache=static)
-        if graphs:
-            step = _graphed(step)  # step 1 ran in the warm-up
+    with torch.cuda.device(src.device) if graphs else contextlib.nullcontext():
+        step = _graphed(search.step) if graphs else search.step  # with graphs, step 1 ran in the warm-up
         for _ in range(1 if graphs else 0, limit):
             if static:
-                if bool(beams.done.all()):
+                if search.done():
                     break
                 step()
-                continue
-            step()
-            beams = _leave(beams, cache, results, k)
-            if beams is None:
-                break
-            step = functools.partial(_step, model, cache, beams, k, alpha, min_len, reorder_cache=False)
-    if beams is not None:
-        results.store(beams.ids, beams.best_tokens, beams.best_len, beams.best)
-    return results.result()
+            else:
+                search.step()
+                if not search.leave():
+                    break
+    return search.result()
 
 
-def greedy_search(model: Transformer, src: Tensor, **limits: Any) -> SearchResult:
+def greedy_search(model: Transformer, src: Tensor, **options: Any) -> SearchResult:
     """The most probable next token at every step: `beam_search` with a beam of 1 and no length penalty
-    (its scores are log P(Y|X)); `limits`: max_len_a, max_len_b, min_len, static."""
-    return beam_search(model, src, beam_size=1, alpha=0.0, **limits)
+    (its scores are log P(Y|X)); `options`: max_len_a, max_len_b, min_len, static, linear."""
+    return beam_search(model, src, beam_size=1, alpha=0.0, **options)
 
 
-def _step(
-    model: Transformer,
-    cache: DecoderCache,
-    s: _Beams,
-    k: int,
-    alpha: float,
-    min_len: int,
-    reorder_cache: bool,
-) -> None:
-    """Extend every live hypothesis by one token, in place on s; finish those ending in EOS and those at
-    their limit; mark the sentences that are done. Reads nothing on the host."""
-    step = cache.position + 1  # () long: the output position chosen now, 1-based
-    states = decode_step(model, s.last, cache)[:, -1]  # (N * k, d_model)
-    log_probs, next_tokens = _best_next(model, states, step, min_len, 2 * k)  # (N * k, 2k) twice
-    penalty = length_penalty(step.double(), alpha).float()  # () float32
-    live_scores, reorder, new_token, eos_best, eos_row = rank_extensions(
-        s.scores, log_probs, next_tokens, k, penalty
-    )
-    _finish(s, eos_best, s.tokens[eos_row], step - 1)  # EOS itself is not output
-    tokens = s.tokens.index_select(0, reorder)  # (N * k, L)
-    tokens.index_copy_(1, (step - 1).view(1), new_token)
-    s.tokens.copy_(tokens)
-    n = s.scores.size(0)
-    cut = torch.where(s.max_len[:, None] == step, live_scores / penalty, NEG_INF)  # (N, k): at L_n
-    cut_best, cut_pick = cut.max(dim=1)  # (N,)
-    _finish(s, cut_best, s.tokens[torch.arange(n, device=cut.device) * k + cut_pick], step)
-    # Done: at the length limit, or no live hypothesis can still beat the best finished one.
-    s.done |= (s.best >= live_scores.max(dim=1).values / s.lp_max) | (s.max_len == step)
-    s.scores.copy_(live_scores)
-    s.last.copy_(new_token)
-    s.reorder.copy_(reorder)
-    if reorder_cache and k > 1:  # a beam of 1 extends its own row
-        cache.reorder(reorder)
-
-
-def _leave(s: _Beams, cache: DecoderCache, results: _Results, k: int) -> _Beams | None:
-    """The dynamic layout after a step: done sentences leave the batch (their results stored) and the
-    cache follows the hypotheses; None once every sentence is done."""
-    if bool(s.done.any()):
-        results.store(s.ids[s.done], s.best_tokens[s.done], s.best_len[s.done], s.best[s.done])
-        if bool(s.done.all()):
-            return None
-        sentences = (~s.done).nonzero().squeeze(1)
-        s = s.keep(sentences, k)
-        cache.reorder(s.reorder, sentences)
-    elif k > 1:
-        cache.reorder(s.reorder)
-    return s
-
-
-def _best_next(
-    model: Transformer, states: Tensor, step: Tensor, min_len: int, n: int
+def best_next_tokens(
+    states: Tensor, weight: Tensor, step: Tensor, min_len: int, n: int, linear: Linear = F.linear
 ) -> tuple[Tensor, Tensor]:
-    """The n most probable next tokens after each final decoder state of states (R, d_model), and their
-    float32 log P(y_step | y_<step, X). PAD and BOS are never generated; EOS is held back while
-    step <= min_len. The vocabulary is projected a chunk at a time on a CPU (`vocab_chunks`): no (R, V)
-    tensor is made at each step there."""
-    weight = model.embed.weight
+    """The n most probable next tokens after each final decoder state of states (R, d_model), projected
+    by the output matrix weight (V, d_model), and their float32 log P(y_step | y_<step, X). PAD and BOS
+    are never generated; EOS is held back while step <= min_len. The vocabulary is projected a chunk at
+    a time on a CPU (`vocab_chunks`): no (R, V) tensor is made at each step there."""
     chunks = vocab_chunks(weight.size(0), weight.device)
     lses, values, indices = [], [], []
     for start, end in chunks:
@@ -298,15 +340,6 @@ def rank_extensions(
     eos_best, eos_pick = (torch.where(is_eos[:, :k], top_scores[:, :k], NEG_INF) / penalty).max(dim=1)  # (N,)
     eos_row = top_row[:, :k].gather(1, eos_pick[:, None]).squeeze(1)  # (N,)
     return live_scores, reorder, new_token, eos_best, eos_row
-
-
-def _finish(s: _Beams, scores: Tensor, tokens: Tensor, length: Tensor) -> None:
-    """Make (scores (N,), tokens (N, L) of `length` ()) the best finished hypotheses where they beat the
-    old ones, except in sentences already done."""
-    better = (scores > s.best) & ~s.done  # (N,)
-    s.best_tokens.copy_(torch.where(better[:, None], tokens, s.best_tokens))
-    s.best_len.copy_(torch.where(better, length, s.best_len))
-    s.best.copy_(torch.where(better, scores, s.best))
 
 
 class _Results:

@@ -55,7 +55,7 @@ def model_spec(model: Transformer, tokenizer: Tokenizer) -> Any:
     encoder = transformer_spec.TransformerEncoderSpec(cfg.n_layers, cfg.n_heads, **shape)
     decoder = transformer_spec.TransformerDecoderSpec(cfg.n_layers, cfg.n_heads, **shape)
     spec = transformer_spec.TransformerSpec(encoder, decoder)
-    spec.config.layer_norm_epsilon = model.encoder[0].res_attn.norm.eps
+    spec.config.layer_norm_epsilon = model.encoder[0].res_self.norm.eps
     spec.config.add_source_eos = True  # a source is its pieces + EOS
     spec.config.decoder_start_token = "<s>"  # BOS
     _set_stack(encoder, model, cfg, "encoder")
@@ -75,12 +75,9 @@ def _set_stack(spec: Any, model: Transformer, cfg: ModelConfig, stack: str) -> N
     if cfg.norm_first:  # pre-LN's final LayerNorm
         _set_norm(spec.layer_norm, model.encoder_norm if stack == "encoder" else model.decoder_norm)
     for layer_spec, layer in zip(spec.layer, model.encoder if stack == "encoder" else model.decoder):
-        if stack == "encoder":
-            _set_attention(layer_spec.self_attention, [layer.self_attn.w_qkv, layer.self_attn.w_o])
-            _set_norm(layer_spec.self_attention.layer_norm, layer.res_attn.norm)
-        else:
-            _set_attention(layer_spec.self_attention, [layer.self_attn.w_qkv, layer.self_attn.w_o])
-            _set_norm(layer_spec.self_attention.layer_norm, layer.res_self.norm)
+        _set_attention(layer_spec.self_attention, [layer.self_attn.w_qkv, layer.self_attn.w_o])
+        _set_norm(layer_spec.self_attention.layer_norm, layer.res_self.norm)
+        if stack == "decoder":
             cross = layer.cross_attn
             _set_attention(layer_spec.attention, [cross.w_q, cross.w_kv, cross.w_o])
             _set_norm(layer_spec.attention.layer_norm, layer.res_cross.norm)

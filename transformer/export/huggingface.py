@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 from transformer.config import ConfigError, ModelConfig
-from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from transformer.data.tokenizer import Tokenizer
 from transformer.model import Transformer
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 def marian_config(cfg: ModelConfig, **overrides: Any) -> Any:
@@ -142,7 +143,7 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
 
     for i, layer in enumerate(model.encoder):
         attention(f"model.encoder.layers.{i}.self_attn", layer.self_attn)
-        norm(f"model.encoder.layers.{i}.self_attn_layer_norm", layer.res_attn.norm)
+        norm(f"model.encoder.layers.{i}.self_attn_layer_norm", layer.res_self.norm)
         ffn(f"model.encoder.layers.{i}", layer)
     for i, layer in enumerate(model.decoder):
         attention(f"model.decoder.layers.{i}.self_attn", layer.self_attn)

@@ -1,4 +1,5 @@
-"""The CPU kernels as module swaps (docs/performance.md, "CPU kernels"):
+"""The CPU kernels as module replacements (docs/performance.md, "CPU kernels"), each computing the
+same function as the module it replaces, with the same parameters:
 
 - `nn.Linear` -> `OneDNNLinear`, `FeedForward` -> `OneDNNFeedForward`: float32 products on oneDNN;
 - `nn.Dropout` -> `NoiseDropout`: the mask drawn from uniform noise;
@@ -11,13 +12,31 @@ import torch
 from torch import Tensor, nn
 
 from transformer.attention import MultiHeadAttention, reference_attention
-from transformer.kernels.onednn import OneDNNFeedForward, OneDNNLinear
+from transformer.kernels.onednn import Products
 from transformer.layers import FeedForward
 
 # attention over at most SHORT_KEYS keys, and at inference that of at most FEW_QUERIES queries per row
 # (a decoding step), is written out
 SHORT_KEYS = 64
 FEW_QUERIES = 16
+
+
+class OneDNNLinear(nn.Linear):
+    """`nn.Linear` (the same parameters) computed by `products`."""
+
+    products: Products
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.products(x, self.weight, self.bias)
+
+
+class OneDNNFeedForward(FeedForward):
+    """`FeedForward` with max(0, x W_1 + b_1) in one product."""
+
+    products: Products
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(self.products(x, self.w_1.weight, self.w_1.bias, relu=True))
 
 
 class NoiseDropout(nn.Dropout):
@@ -43,18 +62,3 @@ class ShortAttention(MultiHeadAttention):
         if not short:
             return super().attend(q, k, v, mask, causal)
         return reference_attention(q, k, v, mask, causal, self.dropout if self.training else 0.0)[0]
-
-
-SWAPS = {
-    nn.Linear: OneDNNLinear,
-    FeedForward: OneDNNFeedForward,
-    nn.Dropout: NoiseDropout,
-    MultiHeadAttention: ShortAttention,
-}
-
-
-def apply_cpu_kernels(model: nn.Module) -> nn.Module:
-    """Swap in the CPU kernels, in place, for every module of a CPU model; returns the model."""
-    for module in model.modules():
-        module.__class__ = SWAPS.get(type(module), type(module))
-    return model

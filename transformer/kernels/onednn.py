@@ -1,12 +1,12 @@
-"""The linear maps on oneDNN: y = x W^T + b for float32 on a CPU, forward and both backward products
-(docs/performance.md, "CPU kernels"). The results equal `F.linear` up to float32 rounding; anything
-else (CUDA, other dtypes, autocast, torch.compile, `torch.backends.mkldnn.enabled = False`) takes
-`F.linear` itself. `relu=True` applies max(0, .) inside the same call.
+"""The products of linear maps, y = x W^T + b, as the CPU kernels compute them (docs/performance.md,
+"CPU kernels"): `Products(onednn=True)` runs float32 on a CPU on oneDNN, forward and both backward
+products, equal to `F.linear` up to float32 rounding; anything else (CUDA, other dtypes, autocast,
+torch.compile, `torch.backends.mkldnn.enabled = False`, onednn=False) takes `F.linear` itself.
 
-Inside `prepacked(weights)`, each of those weights is copied into oneDNN's blocked layout once for
-the whole block instead of at every call (decoding multiplies the same weights step after step); with
-`int8=True`, into fbgemm's 8-bit layout instead (translate.py precision=int8).
-`OneDNNLinear` and `OneDNNFeedForward` are the module swaps of `transformer.kernels.apply_cpu_kernels`.
+Inside `products.prepacked(weights)`, each of those weights is copied into oneDNN's blocked layout
+once for the whole block instead of at every call (decoding multiplies the same weights step after
+step); with `int8=True`, into fbgemm's 8-bit layout instead (translate.py precision=int8). The packed
+copies belong to the `Products` object: one per model, never shared between threads.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-from transformer.layers import FeedForward
+from torch import Tensor
 
 # fbgemm's int8 products: activations in 7 bits where a CPU without VNNI could saturate 16-bit sums
 REDUCE_RANGE = True
@@ -60,49 +58,6 @@ class _Packed:
         return product(x, self.int8, REDUCE_RANGE)
 
 
-# (data_ptr, shape, stride) of a weight -> its packed form
-_packed: dict[tuple, _Packed] = {}
-
-
-def _key(weight: Tensor) -> tuple:
-    return weight.data_ptr(), tuple(weight.shape), weight.stride()
-
-
-@contextmanager
-def prepacked(weights: Iterable[Tensor | tuple[Tensor, Tensor | None]], int8: bool = False) -> Iterator[None]:
-    """Within the block, inference-time `linear` calls use a packed copy of each of these weights
-    (float32 CPU ones; others are left out), made once on entry: oneDNN's blocked layout, or with
-    `int8` fbgemm's 8-bit one (weights quantized per output row, symmetric; activations per call) with
-    the bias given as (weight, bias). A nested block reuses the copies already made. A weight changed
-    in place within the block is used unpacked from then on."""
-    global _packed
-    outer = _packed
-    _packed = dict(outer)
-    try:
-        for item in weights:
-            w, b = item if isinstance(item, tuple) else (item, None)
-            key = _key(w)
-            if key in _packed and (_packed[key].int8 is not None) == int8:
-                continue  # packed already, in this precision, by an outer block
-            if int8:
-                if not _plain_cpu_float32(w, w) or not INT8_ENGINES & set(
-                    torch.backends.quantized.supported_engines
-                ):
-                    raise ValueError(
-                        "int8 products need a float32 CPU weight and PyTorch's fbgemm (x86) engine"
-                    )
-                bias_version = 0 if b is None else b._version
-                _packed[key] = _Packed(
-                    w, w._version, int8=_int8_pack(w.detach(), b), bias=b, bias_version=bias_version
-                )
-            elif _use_onednn(w, w):
-                blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 128)
-                _packed[key] = _Packed(w, w._version, blocked=blocked)
-        yield
-    finally:
-        _packed = outer
-
-
 def _int8_pack(weight: Tensor, bias: Tensor | None) -> Any:
     """fbgemm's packed int8 weight: per output row, w ~ scale * q with q in [-127, 127]."""
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
@@ -120,14 +75,6 @@ def _plain_cpu_float32(x: Tensor, weight: Tensor) -> bool:
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")  # autocast multiplies in bf16 (or fp16) instead
         and x.numel() > 0  # oneDNN has no primitive for no rows (an expert no token chose)
-    )
-
-
-def _use_onednn(x: Tensor, weight: Tensor) -> bool:
-    return (
-        _plain_cpu_float32(x, weight)
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
     )
 
 
@@ -149,46 +96,88 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _onednn(grad_y, weight.t())  # dL/dx = dL/dy W: (..., K)
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad(grad_2d, x.reshape(-1, x.size(-1)))  # dL/dW = (dL/dy)^T x: (N, K)
+            grad_w = _onednn_weight_grad(grad_2d, x.reshape(-1, x.size(-1)))  # dL/dW = (dL/dy)^T x: (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_2d.sum(0)  # (N,)
         return grad_x, grad_w, grad_b, None
 
 
-def weight_grad(grad_y: Tensor, x: Tensor) -> Tensor:
-    """grad_y (M, N), x (M, K) -> grad_y^T x (N, K), contiguous: the gradient of a linear map's weight,
-    copying the smaller of the two transposes oneDNN needs (docs/performance.md)."""
-    if not _use_onednn(grad_y, x):
-        return F.linear(grad_y.t(), x.t())
+def _key(weight: Tensor) -> tuple:
+    return weight.data_ptr(), tuple(weight.shape), weight.stride()
+
+
+class Products:
+    """y = x W^T + b (or max(0, .) with relu), and the weight gradient grad_y^T x; on oneDNN where
+    `onednn` and the operands are plain float32 CPU tensors, with `prepacked` weights at inference."""
+
+    def __init__(self, onednn: bool = True) -> None:
+        self.onednn = onednn
+        self.packed: dict[tuple, _Packed] = {}  # (data_ptr, shape, stride) of a weight -> its packed form
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
+        """x (..., K), weight (N, K), bias (N,) -> x W^T + b (..., N), or max(0, x W^T + b) with relu."""
+        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        packed = self.packed.get(_key(weight)) if self.packed and not grads else None
+        if packed is not None and packed.current() and _plain_cpu_float32(x, weight):
+            return packed.linear(x, bias, relu)
+        if not self._use_onednn(x, weight):
+            y = F.linear(x, weight, bias)
+            return F.relu(y) if relu else y
+        if grads:
+            return _OneDNNLinear.apply(x, weight, bias, relu)
+        return _onednn(x, weight, bias, relu)  # inference: no autograd node, no saved tensors
+
+    def weight_grad(self, grad_y: Tensor, x: Tensor) -> Tensor:
+        """grad_y (M, N), x (M, K) -> grad_y^T x (N, K), contiguous: the gradient of a linear map's
+        weight; on oneDNN, copying the smaller of the two transposes it needs (docs/performance.md)."""
+        if not self._use_onednn(grad_y, x):
+            return F.linear(grad_y.t(), x.t())
+        return _onednn_weight_grad(grad_y, x)
+
+    @contextmanager
+    def prepacked(
+        self, weights: Iterable[Tensor | tuple[Tensor, Tensor | None]], int8: bool = False
+    ) -> Iterator[None]:
+        """Within the block, inference products with these weights use a copy of each packed once on
+        entry (float32 CPU ones; others are left out): oneDNN's blocked layout (with `onednn`), or with
+        `int8` fbgemm's 8-bit one (weights quantized per output row, symmetric; activations per call)
+        with the bias given as (weight, bias). A nested block reuses the copies already made. A weight
+        changed in place within the block is used unpacked from then on."""
+        outer = self.packed
+        self.packed = dict(outer)
+        try:
+            for item in weights:
+                w, b = item if isinstance(item, tuple) else (item, None)
+                key = _key(w)
+                if key in self.packed and (self.packed[key].int8 is not None) == int8:
+                    continue  # packed already, in this precision, by an outer block
+                if int8:
+                    self.packed[key] = _int8_packed(w, b)
+                elif self._use_onednn(w, w):
+                    blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 128)
+                    self.packed[key] = _Packed(w, w._version, blocked=blocked)
+            yield
+        finally:
+            self.packed = outer
+
+    def _use_onednn(self, x: Tensor, weight: Tensor) -> bool:
+        return (
+            self.onednn
+            and _plain_cpu_float32(x, weight)
+            and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled
+        )
+
+
+def _int8_packed(w: Tensor, b: Tensor | None) -> _Packed:
+    if not _plain_cpu_float32(w, w) or not INT8_ENGINES & set(torch.backends.quantized.supported_engines):
+        raise ValueError("int8 products need a float32 CPU weight and PyTorch's fbgemm (x86) engine")
+    bias_version = 0 if b is None else b._version
+    return _Packed(w, w._version, int8=_int8_pack(w.detach(), b), bias=b, bias_version=bias_version)
+
+
+def _onednn_weight_grad(grad_y: Tensor, x: Tensor) -> Tensor:
     m, n, k = grad_y.size(0), grad_y.size(1), x.size(1)
     if m * n <= k * (m + n):
         return _onednn(grad_y.t(), x.t())
     return _onednn(x.t(), grad_y.t()).t().contiguous()  # (grad_y^T x)^T = x^T grad_y, (K, N)
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
-    """x (..., K), weight (N, K), bias (N,) -> x W^T + b (..., N), or max(0, x W^T + b) with relu."""
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    packed = _packed.get(_key(weight)) if _packed and not grads else None
-    if packed is not None and packed.current() and _plain_cpu_float32(x, weight):
-        return packed.linear(x, bias, relu)
-    if not _use_onednn(x, weight):
-        y = F.linear(x, weight, bias)
-        return F.relu(y) if relu else y
-    if grads:
-        return _OneDNNLinear.apply(x, weight, bias, relu)
-    return _onednn(x, weight, bias, relu)  # inference: no autograd node, no saved tensors
-
-
-class OneDNNLinear(nn.Linear):
-    """`nn.Linear` (the same parameters) computed by `linear`."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
-
-
-class OneDNNFeedForward(FeedForward):
-    """`FeedForward` with max(0, x W_1 + b_1) in one oneDNN call."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(linear(x, self.w_1.weight, self.w_1.bias, relu=True))

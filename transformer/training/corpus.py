@@ -27,24 +27,24 @@ class Corpus:
 
 
 def load_corpus(cfg: TrainConfig, runtime: Runtime) -> Corpus:
-    t = cfg.trainer
+    trainer = cfg.trainer
     if runtime.is_main:
         prepare(cfg.data)  # a quick check when it is ready
     wait_for_main(runtime)
     data_dir = Path(cfg.data.dir)
     meta = load_meta(data_dir)
     train = ShardDataset(data_dir, "train")
-    check_lengths(train, t.pad_to_multiple, cfg.model.max_positions)
+    check_lengths(train, trainer.pad_to_multiple, cfg.model.max_positions)
     sampler = TokenBudgetBatchSampler(
         train.src_lengths,
         train.tgt_lengths,
-        t.batch_tokens(runtime.world_size),
-        seed=t.seed,
+        trainer.batch_tokens(runtime.world_size),
+        seed=trainer.seed,
         rank=runtime.rank,
         world_size=runtime.world_size,
-        pad_to_multiple=t.pad_to_multiple,
+        pad_to_multiple=trainer.pad_to_multiple,
     )
-    valid = valid_batches(data_dir, meta, t, runtime, cfg.model.max_positions)
+    valid = valid_batches(data_dir, meta, trainer, runtime, cfg.model.max_positions)
     return Corpus(meta, (data_dir / SPM_FILE).read_bytes(), train, sampler, valid)
 
 
@@ -73,20 +73,20 @@ def check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: in
 
 
 def valid_batches(
-    data_dir: Path, meta: dict[str, Any], t: TrainerConfig, runtime: Runtime, max_positions: int
+    data_dir: Path, meta: dict[str, Any], trainer: TrainerConfig, runtime: Runtime, max_positions: int
 ) -> list[Batch] | None:
     """This rank's share of the `valid` split, batched once; None when there is none or eval is off."""
-    if "valid" not in meta["splits"] or t.eval_every_steps == 0:
+    if "valid" not in meta["splits"] or trainer.eval_every_steps == 0:
         return None
     valid = ShardDataset(data_dir, "valid")
-    check_lengths(valid, t.pad_to_multiple, max_positions)
+    check_lengths(valid, trainer.pad_to_multiple, max_positions)
     sampler = TokenBudgetBatchSampler(
         valid.src_lengths,
         valid.tgt_lengths,
-        t.max_tokens,
+        trainer.max_tokens,
         shuffle=False,
         rank=runtime.rank,
         world_size=runtime.world_size,
-        pad_to_multiple=t.pad_to_multiple,
+        pad_to_multiple=trainer.pad_to_multiple,
     )
-    return [valid.batch(batch, t.pad_to_multiple) for batch in sampler.epoch_batches(0)]
+    return [valid.batch(batch, trainer.pad_to_multiple) for batch in sampler.epoch_batches(0)]

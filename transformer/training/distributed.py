@@ -2,7 +2,7 @@
 
 `torchrun --nproc_per_node=N train.py ...` sets RANK, WORLD_SIZE and LOCAL_RANK; a plain `python train.py`
 is one process. NCCL is used on GPUs and gloo on CPUs. Wrapping order is fixed:
-build -> to(device) -> CPU kernels (`transformer.kernels`, on a CPU) -> torch.compile -> DDP.
+build -> to(device) -> kernels (`transformer.kernels`, on a CPU) -> torch.compile -> DDP.
 
 When one rank dies, the others exit with an error instead of hanging: gloo fails their next collective
 at once ("Connection closed by peer"); torchrun notices the failed worker, stops the others (SIGTERM)
@@ -15,7 +15,6 @@ Only rank 0 prepares the corpus and writes checkpoints; every rank reads them, s
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,9 +25,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer.config import ConfigError, TrainerConfig
-from transformer.kernels import apply_cpu_kernels, cache_onednn_kernels, keep_freed_memory
-
-log = logging.getLogger(__name__)
+from transformer.devices import resolve_device, training_dtype
+from transformer.kernels import Kernels, cache_onednn_kernels, keep_freed_memory
 
 PREPARE_TIMEOUT = timedelta(hours=12)  # rank 0 may spend hours preparing WMT14 while the others wait
 
@@ -41,6 +39,7 @@ class Runtime:
     world_size: int
     device: torch.device
     dtype: torch.dtype  # torch.bfloat16 under autocast, or torch.float32
+    kernels: Kernels  # handed to the model and the loss
     prepare_group: dist.ProcessGroup | None = None  # a gloo group with a long timeout, for data prep
 
     @property
@@ -60,7 +59,7 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(cfg.device, local_rank, world_size)
-    dtype = _precision(cfg.precision, device)
+    dtype = training_dtype(cfg.precision, device)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if device.type == "cpu" and dtype == torch.bfloat16:  # before any batch allocates or compiles
@@ -69,7 +68,7 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast use TF32 tensor cores
-    runtime = Runtime(rank, world_size, device, dtype)
+    runtime = Runtime(rank, world_size, device, dtype, Kernels.for_device(device))
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(minutes=cfg.dist_timeout_minutes)
@@ -85,49 +84,21 @@ def _device(name: str, local_rank: int, world_size: int) -> torch.device:
             "trainer.device=cuda (each process takes the GPU of its LOCAL_RANK) and choose the GPUs with "
             "CUDA_VISIBLE_DEVICES"
         )
-    if name == "auto":
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.device={name} but no CUDA device is available; use trainer.device=cpu")
-    if name == "cuda":
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
+    return resolve_device(name, local_rank)
 
 
-def _precision(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":  # bf16 where the device multiplies it natively
-        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
-        return torch.bfloat16 if native else torch.float32
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"{torch.cuda.get_device_name(device)} has no bf16; use trainer.precision=fp32")
-    if name == "bf16" and device.type == "cpu" and not cpu_has_bf16():
-        log.warning(
-            "this CPU multiplies bf16 without native instructions (AVX512-BF16 or AMX), likely slower than "
-            "fp32; trainer.precision=fp32 trains the same model"
-        )
-    return torch.bfloat16 if name == "bf16" else torch.float32
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX instructions."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def wrap(module: nn.Module, runtime: Runtime, compile: bool) -> nn.Module:
-    """to(device) -> the CPU kernels (on a CPU) -> torch.compile -> DDP, in that order; the caller keeps
-    the unwrapped module (its classes swapped on a CPU, its parameters the same)."""
-    module = module.to(runtime.device)
-    if runtime.device.type == "cpu":
-        apply_cpu_kernels(module)
+def wrap(objective: nn.Module, runtime: Runtime, compile: bool) -> nn.Module:
+    """torch.compile -> DDP, in that order, around an objective whose model is on the device with its
+    kernels in place."""
     if compile:
         # Dynamic shapes: one compilation serves every batch size and length. Static ones would
         # compile anew for each of the ~170 (B, S, T) shapes of a WMT epoch, tens of seconds each.
-        module = torch.compile(module, dynamic=True)
+        objective = torch.compile(objective, dynamic=True)
     if runtime.distributed:
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         # The model has no running statistics: its only buffer (the sinusoid table) needs no broadcast.
-        module = DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
-    return module
+        objective = DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
+    return objective
 
 
 def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:

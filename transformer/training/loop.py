@@ -36,37 +36,37 @@ log = logging.getLogger(__name__)
 def train(cfg: TrainConfig) -> Path:
     """Train until trainer.max_steps and return the run directory; SIGTERM or Ctrl-C save a checkpoint,
     then raise TrainingStopped."""
-    t = cfg.trainer
-    run_dir = Path(t.run_dir)
-    _check_resume_setting(t, run_dir)
-    runtime = init_runtime(t)
+    trainer = cfg.trainer
+    run_dir = Path(trainer.run_dir)
+    _check_resume_setting(trainer, run_dir)
+    runtime = init_runtime(trainer)
     if runtime.is_main and checkpoint_dir(run_dir).is_dir():
         remove_temp_files(checkpoint_dir(run_dir))  # of a save that a kill interrupted
     try:
-        found = _find_resume(t, run_dir, runtime.is_main)
+        found = _find_resume(trainer, run_dir, runtime.is_main)
         if found is not None and runtime.is_main:
             set_aside_newer(run_dir, found[1]["step"])  # never rotated in or averaged with this run's
         corpus = load_corpus(cfg, runtime)
         run, objective = start_run(cfg, runtime, corpus.sampler, corpus.meta, corpus.spm_model)
         if found is not None:
             run.restore(*found)
-        accum = t.grad_accum(runtime.world_size)
+        accum = trainer.grad_accum(runtime.world_size)
         _log_start(run, accum)
-        batches = batches_forever(corpus.sampler, corpus.train, t.pad_to_multiple, runtime.device)
+        batches = batches_forever(corpus.sampler, corpus.train, trainer.pad_to_multiple, runtime.device)
         validated = objective.module if runtime.distributed else objective  # no gradient sync needed
         peak = bf16_peak_flops(runtime.device) if runtime.dtype == torch.bfloat16 else None
-        steps = (run.step, t.max_steps)
+        steps = (run.step, trainer.max_steps)
         monitor = Monitor(
-            run_dir, runtime.is_main, t.progress, steps, t.log_every_steps, runtime.device, peak
+            run_dir, runtime.is_main, trainer.progress, steps, trainer.log_every_steps, runtime.device, peak
         )
-        policy, micro = Policy(t, runtime), None
+        policy, micro = Policy(trainer, runtime), None
         with monitor, policy, logging_redirect_tqdm():
-            while run.step < t.max_steps:
+            while run.step < trainer.max_steps:
                 micro = micro or [next(batches) for _ in range(accum)]
                 queued = queue_step(run, objective, micro, policy.requests())
                 consumed = run.sampler.state_dict()  # what a checkpoint of this step resumes from
                 # the next step's batches are read and sent while the device works on this one
-                upcoming = [next(batches) for _ in range(accum)] if run.step + 1 < t.max_steps else None
+                upcoming = [next(batches) for _ in range(accum)] if run.step + 1 < trainer.max_steps else None
                 stats, stop, save_due = finish_step(run, queued, micro)
                 micro = upcoming
                 decision = policy.after_step(run.step, stats, stop, save_due)
@@ -85,44 +85,46 @@ def train(cfg: TrainConfig) -> Path:
         shutdown(runtime)
 
 
-def _check_resume_setting(t: TrainerConfig, run_dir: Path) -> None:
+def _check_resume_setting(trainer: TrainerConfig, run_dir: Path) -> None:
     """Mistakes in trainer.resume, found before any heavy work."""
-    if t.resume == "never" and list_checkpoints(run_dir):
+    if trainer.resume == "never" and list_checkpoints(run_dir):
         raise ConfigError(
             f"{run_dir} already holds checkpoints and trainer.resume=never would mix two runs there; "
             "choose another trainer.run_dir, or trainer.resume=auto to continue"
         )
-    if t.resume not in ("auto", "never") and not Path(t.resume).is_file():
-        raise ConfigError(f"trainer.resume={t.resume}: no such file (use auto, never or a checkpoint path)")
+    if trainer.resume not in ("auto", "never") and not Path(trainer.resume).is_file():
+        raise ConfigError(
+            f"trainer.resume={trainer.resume}: no such file (use auto, never or a checkpoint path)"
+        )
 
 
-def _find_resume(t: TrainerConfig, run_dir: Path, is_main: bool) -> tuple[Path, dict[str, Any]] | None:
+def _find_resume(trainer: TrainerConfig, run_dir: Path, is_main: bool) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint the run continues from (None: from step 0); one that cannot resume it fails here,
     before the data is prepared."""
-    if t.resume == "never":
+    if trainer.resume == "never":
         return None
-    if t.resume == "auto":
+    if trainer.resume == "auto":
         found = latest_checkpoint(run_dir)
     else:
-        ckpt = load_checkpoint(t.resume)
+        ckpt = load_checkpoint(trainer.resume)
         missing = [key for key in RESUME_KEYS if key not in ckpt]
         if missing:
-            raise CheckpointError(f"{t.resume} cannot resume training: it has no {', '.join(missing)}")
-        found = Path(t.resume), ckpt
-    if found is not None and found[1]["step"] >= t.max_steps and is_main:
+            raise CheckpointError(f"{trainer.resume} cannot resume training: it has no {', '.join(missing)}")
+        found = Path(trainer.resume), ckpt
+    if found is not None and found[1]["step"] >= trainer.max_steps and is_main:
         log.warning(
             "%s is at step %d, trainer.max_steps=%d: nothing left to train (raise trainer.max_steps "
             "to train on)",
             found[0],
             found[1]["step"],
-            t.max_steps,
+            trainer.max_steps,
         )
     return found
 
 
 def _log_start(run: Run, accum: int) -> None:
-    t, runtime = run.cfg.trainer, run.runtime
-    batch = t.batch_tokens(runtime.world_size)
+    trainer, runtime = run.cfg.trainer, run.runtime
+    batch = trainer.batch_tokens(runtime.world_size)
     log.info(
         "%s on %s x%d (%s): %s parameters; %d batch(es) of <= %d padded tokens per rank per step, "
         "<= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d)",
@@ -134,6 +136,6 @@ def _log_start(run: Run, accum: int) -> None:
         accum,
         batch,
         batch * accum * runtime.world_size,
-        t.tokens_per_step,
-        t.max_tokens,
+        trainer.tokens_per_step,
+        trainer.max_tokens,
     )

@@ -11,7 +11,8 @@ batches on all ranks), so the result does not depend on how a step is split into
 
 The loss takes the final decoder states and the output projection's weight, not logits: the (N, V)
 logits exist for CHUNK_ROWS rows at a time, each chunk's gradient computed at once
-(docs/performance.md, "The loss makes the output projection itself").
+(docs/performance.md, "The loss makes the output projection itself"), its products made by the
+`kernels.Products` the training hands in (plain `F.linear` by default).
 """
 
 from __future__ import annotations
@@ -21,16 +22,25 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
-from transformer.data.tokenizer import PAD_ID
-from transformer.kernels.onednn import linear, weight_grad
+from transformer.kernels import Products
 from transformer.model import Transformer
-from transformer.moe import auxiliary_loss
+from transformer.moe import Routing, RoutingStats, dropped_fraction, load_balancing_loss
+from transformer.vocab import PAD_ID
 
 CHUNK_ROWS = 4096  # target tokens whose logits exist at once; bounds the loss's memory
 
 
+PLAIN = Products(onednn=False)  # F.linear
+
+
 def _loss_and_grads(
-    states: Tensor, weight: Tensor, target: Tensor, epsilon: float, ignore_index: int, grads: bool
+    states: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    epsilon: float,
+    ignore_index: int,
+    grads: bool,
+    products: Products,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Sums of the smoothed loss and of the NLL of the logits states (N, d) @ weight (V, d)^T over the
     rows whose target != ignore_index; with `grads`, also d(loss sum)/d states and d/d weight.
@@ -51,7 +61,7 @@ def _loss_and_grads(
         # shapes that recompiles when the count changes, not at every new number of rows
         for i in range(-(-states.size(0) // CHUNK_ROWS)):
             rows = slice(i * CHUNK_ROWS, (i + 1) * CHUNK_ROWS)
-            chunk = _chunk(h[rows], w, target[rows], valid[rows], epsilon, total, grads)
+            chunk = _chunk(h[rows], w, target[rows], valid[rows], epsilon, total, grads, products)
             loss, nll_sum = loss + chunk[0], nll_sum + chunk[1]
             if grads:
                 grad_states[rows] = chunk[2]
@@ -62,12 +72,19 @@ def _loss_and_grads(
 
 
 def _chunk(
-    h: Tensor, w: Tensor, target: Tensor, valid: Tensor, epsilon: float, total: torch.dtype, grads: bool
+    h: Tensor,
+    w: Tensor,
+    target: Tensor,
+    valid: Tensor,
+    epsilon: float,
+    total: torch.dtype,
+    grads: bool,
+    products: Products,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """`_loss_and_grads` for one chunk of rows h (n, d); its (n, V) tensors are freed on return."""
     vocab = w.size(0)
     off = epsilon / (vocab - 1)  # the mass of each non-gold token
-    z = linear(h, w).to(total)  # (n, V) logits
+    z = products(h, w).to(total)  # (n, V) logits
     gold, z_sum = z.gather(-1, target[:, None]).squeeze(-1), z.sum(-1)  # (n,) twice
     top = z.amax(-1, keepdim=True)  # (n, 1)
     p = z.sub_(top).exp_()  # in place: exp(z - max), the softmax up to its sum
@@ -82,16 +99,27 @@ def _chunk(
     g = p.div_(p_sum).sub_(off)  # dH/dz = p - q, q = off everywhere but gold ...
     g.scatter_add_(-1, target[:, None], g.new_full((g.size(0), 1), -(1.0 - epsilon - off)))
     g = g.mul_(valid[:, None]).to(h.dtype)  # ... and pad rows get no gradient
-    return loss, nll_sum, linear(g, w.t()), weight_grad(g, h)  # dH/dh = g W (n, d); dH/dW = g^T h (V, d)
+    return (
+        loss,
+        nll_sum,
+        products(g, w.t()),
+        products.weight_grad(g, h),
+    )  # dH/dh = g W (n, d); dH/dW = g^T h (V, d)
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, states: Tensor, weight: Tensor, target: Tensor, epsilon: float, ignore_index: int
+        ctx,
+        states: Tensor,
+        weight: Tensor,
+        target: Tensor,
+        epsilon: float,
+        ignore_index: int,
+        products: Products,
     ) -> tuple[Tensor, Tensor]:
         loss, nll_sum, grad_states, grad_weight = _loss_and_grads(
-            states, weight, target, epsilon, ignore_index, grads=True
+            states, weight, target, epsilon, ignore_index, True, products
         )
         ctx.save_for_backward(grad_states, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -99,13 +127,18 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return loss, nll_sum
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
         grad_states, grad_weight = ctx.saved_tensors
-        return grad_states * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
+        return grad_states * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None
 
 
 def smoothed_cross_entropy(
-    states: Tensor, weight: Tensor, target: Tensor, epsilon: float, ignore_index: int
+    states: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    epsilon: float,
+    ignore_index: int,
+    products: Products = PLAIN,
 ) -> tuple[Tensor, Tensor]:
     """The label-smoothed cross-entropy of the logits states (N, d) @ weight (V, d)^T against target
     (N,) -> (sum of the loss, sum of the NLL), float32 scalars (float64 for float64 inputs).
@@ -113,25 +146,36 @@ def smoothed_cross_entropy(
     Rows whose target is `ignore_index` are left out; the NLL sum is for logging (perplexity) only.
     """
     if torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad):
-        return _SmoothedCrossEntropy.apply(states, weight, target, epsilon, ignore_index)
-    return _loss_and_grads(states, weight, target, epsilon, ignore_index, grads=False)[:2]
+        return _SmoothedCrossEntropy.apply(states, weight, target, epsilon, ignore_index, products)
+    return _loss_and_grads(states, weight, target, epsilon, ignore_index, False, products)[:2]
 
 
 class Seq2SeqLoss(nn.Module):
     """The training objective around a `Transformer`; the module that compile and DDP wrap.
 
-    forward(src (B, S), tgt_in (B, T), tgt_out (B, T)) -> (loss sum, NLL sum) over non-pad targets.
+    forward(src (B, S), tgt_in (B, T), tgt_out (B, T)) -> (loss sum, NLL sum, figures) over non-pad
+    targets; `figures`: with mixtures of experts in training, {"moe_dropped": the share of assignments
+    past capacity} (a device scalar), else empty. In training the loss includes the experts'
+    load-balancing loss, `model.moe_aux_loss` times its sum over the layers per target token.
     """
 
-    def __init__(self, model: Transformer, label_smoothing: float) -> None:
+    def __init__(self, model: Transformer, label_smoothing: float, products: Products = PLAIN) -> None:
         super().__init__()
         self.model = model
         self.label_smoothing = label_smoothing
+        self.products = products
 
-    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         model = self.model
         src_mask = model.src_mask(src)
-        states = model.decoder_states(tgt_in, model.encode(src, src_mask), src_mask)  # (B, T, d_model)
+        routed: list[RoutingStats] = []  # what mixtures of experts report in training
+        encoder = decoder = None
+        if self.training:
+            encoder, decoder = Routing(src_mask, routed), Routing(tgt_in != PAD_ID, routed)
+        memory = model.encode(src, src_mask, encoder)
+        states = model.decode(tgt_in, memory, src_mask, routing=decoder)  # (B, T, d_model)
         # the pre-softmax projection (§3.4) happens inside the loss, a chunk of rows at a time
         loss, nll = smoothed_cross_entropy(
             states.reshape(-1, states.size(-1)),  # (B * T, d_model)
@@ -139,7 +183,9 @@ class Seq2SeqLoss(nn.Module):
             tgt_out.reshape(-1),
             self.label_smoothing,
             PAD_ID,
+            self.products,
         )
-        if self.training and model.cfg.moe_experts:  # the load-balancing loss, weighted per target token
-            loss = loss + model.cfg.moe_aux_loss * auxiliary_loss(model) * (tgt_out != PAD_ID).sum()
-        return loss, nll
+        if not routed:
+            return loss, nll, {}
+        loss = loss + model.cfg.moe_aux_loss * load_balancing_loss(routed) * (tgt_out != PAD_ID).sum()
+        return loss, nll, {"moe_dropped": dropped_fraction(routed)}

@@ -63,6 +63,9 @@ def train_flops(cfg: ModelConfig, batch: int, src_len: int, tgt_len: int) -> flo
     return 6.0 * (cfg.n_layers * (encoder + decoder + scores) + projection)
 
 
+STEP_FIGURES = {"loss", "nll", "tokens", "lr", "grad_norm", "flops", "seconds", "steps"}
+
+
 class Monitor:
     """Progress bar and TensorBoard scalars; a no-op on ranks other than 0."""
 
@@ -100,13 +103,13 @@ class Monitor:
         self.close()
 
     def step(self, step: int, stats: dict[str, float]) -> None:
-        """One optimizer step: loss and nll per target token, tokens (target), lr, grad_norm, flops; with
-        mixtures of experts, moe_dropped (the share of assignments past capacity)."""
+        """One optimizer step: loss and nll per target token, tokens (target), lr, grad_norm, flops, and
+        the objective's own figures (e.g. moe_dropped), each logged as the interval's mean."""
         now = time.perf_counter()
         seconds, self._last_time = now - self._last_time, now
-        for key in ("loss", "nll", "tokens", "lr", "grad_norm", "flops", "moe_dropped"):
-            if key in stats:
-                self._sums[key] = self._sums.get(key, 0.0) + stats[key]
+        for key, value in stats.items():
+            if key != "finite":
+                self._sums[key] = self._sums.get(key, 0.0) + value
         self._sums["seconds"] = self._sums.get("seconds", 0.0) + seconds
         self._sums["steps"] = self._sums.get("steps", 0.0) + 1
         if not self.enabled:
@@ -131,8 +134,10 @@ class Monitor:
             "train/grad_norm": sums["grad_norm"] / steps,
             "train/tokens_per_s": sums["tokens"] / seconds,  # target tokens, all ranks together
         }
-        if "moe_dropped" in sums:
-            scalars["train/moe_dropped"] = sums["moe_dropped"] / steps
+        for key in sorted(
+            sums.keys() - {"loss", "nll", "tokens", "lr", "grad_norm", "flops", "seconds", "steps"}
+        ):
+            scalars[f"train/{key}"] = sums[key] / steps  # the objective's figures
         if self.peak_flops:  # this rank's model FLOP/s against its card's dense bf16 peak
             scalars["train/mfu"] = sums["flops"] / seconds / self.peak_flops
         if self.device.type == "cuda":  # the allocator's own count: no wait for the device

@@ -51,8 +51,8 @@ class Policy:
     """The loop's decisions, step by step; a context that handles SIGTERM and Ctrl-C meanwhile (a second
     Ctrl-C interrupts at once). Handlers are installed only in the main thread (Python allows no other)."""
 
-    def __init__(self, t: TrainerConfig, runtime: Runtime) -> None:
-        self.t, self.runtime = t, runtime
+    def __init__(self, trainer: TrainerConfig, runtime: Runtime) -> None:
+        self.trainer, self.runtime = trainer, runtime
         self.received: str | None = None  # the signal this rank received
         self.last_save = time.monotonic()
         self.nonfinite = 0  # skipped updates in a row
@@ -60,7 +60,7 @@ class Policy:
 
     def requests(self) -> list[float]:
         """This rank's wishes for the step about to run, summed over the ranks with it: stop, save."""
-        minutes = self.t.save_every_minutes
+        minutes = self.trainer.save_every_minutes
         save_due = minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes
         return [float(self.received is not None), float(save_due)]
 
@@ -70,10 +70,10 @@ class Policy:
             self.nonfinite = 0
         else:
             self._skipped(step, stats)
-        last, healthy = step == self.t.max_steps, self.nonfinite == 0
-        due = save_due or last or (healthy and _every(self.t.save_every_steps, step))
+        last, healthy = step == self.trainer.max_steps, self.nonfinite == 0
+        due = save_due or last or (healthy and _every(self.trainer.save_every_steps, step))
         return Decision(
-            validate=healthy and (_every(self.t.eval_every_steps, step) or last),
+            validate=healthy and (_every(self.trainer.eval_every_steps, step) or last),
             save=stop or due,
             interim=stop and not due,
             stop=stop,
@@ -105,10 +105,10 @@ class Policy:
             stats["grad_norm"],
             self.nonfinite,
         )
-        if self.nonfinite >= self.t.max_nonfinite_steps:
+        if self.nonfinite >= self.trainer.max_nonfinite_steps:
             raise TrainingError(
                 f"{self.nonfinite} non-finite updates in a row (trainer.max_nonfinite_steps="
-                f"{self.t.max_nonfinite_steps}): the run diverged; lower optim.lr_scale, raise "
+                f"{self.trainer.max_nonfinite_steps}): the run diverged; lower optim.lr_scale, raise "
                 "optim.warmup_steps or set optim.clip_grad_norm and resume"
             )
 

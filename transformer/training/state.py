@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Adam
 from torch.optim.lr_scheduler import LambdaLR
 
-from transformer.checkpoint import FORMAT, list_checkpoints, save_checkpoint
+from transformer.checkpoint import FORMAT, list_checkpoints, save_numbered
 from transformer.config import ConfigError, OptimConfig, TrainConfig, to_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.model import Transformer
@@ -34,7 +34,7 @@ class Run:
     cfg: TrainConfig
     runtime: Runtime
     run_dir: Path
-    model: Transformer  # unwrapped: no compile, no DDP
+    model: Transformer  # unwrapped (no compile, no DDP), with the kernels of the runtime
     optimizer: Adam
     scheduler: LambdaLR
     sampler: TokenBudgetBatchSampler
@@ -64,7 +64,7 @@ class Run:
             "rng": rngs,  # one entry per rank
             "interim": interim,
         }
-        path = save_checkpoint(ckpt, self.run_dir, self.cfg.trainer.keep_last, self.interim)
+        path = save_numbered(ckpt, self.run_dir, self.cfg.trainer.keep_last, self.interim)
         self.interim = None
         log.info("step %d: saved %s", self.step, path)
 
@@ -123,13 +123,15 @@ class Run:
 def start_run(
     cfg: TrainConfig, runtime: Runtime, sampler: TokenBudgetBatchSampler, meta: dict[str, Any], spm: bytes
 ) -> tuple[Run, nn.Module]:
-    """The model (the corpus sets the vocabulary size; every rank starts from the same weights), its
-    objective as the device runs it (`distributed.wrap`), Adam with beta1 = 0.9, beta2 = 0.98,
-    eps = 1e-9 and the schedule of Eq. (3)."""
+    """The model (the corpus sets the vocabulary size; every rank starts from the same weights) on the
+    device with its kernels, its objective as the device runs it (`distributed.wrap`), Adam with
+    beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and the schedule of Eq. (3)."""
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=meta["vocab_size"]))
     seed_everything(cfg.trainer.seed)
-    model = Transformer(cfg.model)
-    objective = wrap(Seq2SeqLoss(model, cfg.optim.label_smoothing), runtime, cfg.trainer.compile)
+    kernels = runtime.kernels
+    model = kernels.apply(Transformer(cfg.model).to(runtime.device))
+    objective = Seq2SeqLoss(model, cfg.optim.label_smoothing, kernels.products)
+    objective = wrap(objective, runtime, cfg.trainer.compile)
     seed_everything(cfg.trainer.seed + runtime.rank)  # each rank its own dropout masks
     optimizer = adam(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.model.d_model)

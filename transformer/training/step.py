@@ -22,45 +22,49 @@ import torch
 from torch import Tensor, nn
 
 from transformer.data.batching import Batch
-from transformer.moe import dropped_fraction
 from transformer.training.distributed import Runtime, all_reduce_sum, all_reduce_sum_tensor
 from transformer.training.monitor import train_flops
 from transformer.training.policy import TrainingError
 from transformer.training.state import Run
 
 
-def queue_step(run: Run, objective: nn.Module, micro: list[Batch], flags: list[float]) -> Tensor:
+def queue_step(
+    run: Run, objective: nn.Module, micro: list[Batch], flags: list[float]
+) -> tuple[Tensor, list[str]]:
     """Queue one optimizer step on the device without waiting for it: forward/backward over this
     rank's batches, the gradient norm, and the update, which the device itself skips when the loss
     or the gradient is not finite (Adam's `found_inf`: weights, moments and step count stay as
     they were). Sums over the ranks are collectives on the device too.
 
     flags: this rank's stop and save requests. Returns the device tensor [loss sum, NLL sum, target
-    tokens, stop, save, gradient norm, and with mixtures of experts the share of assignments dropped],
-    the sums and counts over all ranks, which `finish_step` reads.
+    tokens, stop, save, gradient norm, then the objective's figures of this rank's last batch (e.g.
+    the share of mixture-of-experts assignments dropped)], the sums and counts over all ranks, which
+    `finish_step` reads with `names`.
     """
     runtime = run.runtime
     local = torch.tensor([float(sum(b.n_tgt_tokens for b in micro)), *flags], dtype=torch.float64)
     counts = all_reduce_sum_tensor(local.to(runtime.device, non_blocking=True), runtime)  # (3,)
-    sums = accumulate(objective, micro, runtime, counts[0], run.cfg.trainer.max_tokens)  # (2,)
+    sums, figures = accumulate(objective, micro, runtime, counts[0], run.cfg.trainer.max_tokens)
     norm = grad_norm(run.model, run.cfg.optim.clip_grad_norm)  # () of the ranks' summed gradients
     sums = all_reduce_sum_tensor(sums.double(), runtime)
     run.optimizer.found_inf = (~(sums[0].isfinite() & norm.isfinite())).float()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    figures = [sums, counts, norm.double()[None]]
-    if run.cfg.model.moe_experts:  # this rank's last batch
-        figures.append(dropped_fraction(run.model).to(runtime.device, torch.float64)[None])
-    return torch.cat(figures)
+    extra = [value.to(runtime.device, torch.float64)[None] for value in figures.values()]
+    return torch.cat([sums, counts, norm.double()[None], *extra]), list(figures)
 
 
-def finish_step(run: Run, queued: Tensor, micro: list[Batch]) -> tuple[dict[str, Any], bool, bool]:
+def finish_step(
+    run: Run, queued: tuple[Tensor, list[str]], micro: list[Batch]
+) -> tuple[dict[str, Any], bool, bool]:
     """Wait for the step `queue_step` queued (the step's one read from the device) and count it when
     it was finite: the schedule moves on only then.
 
-    Returns the step's statistics (per target token) and whether any rank wants to stop or to save.
+    Returns the step's statistics (per target token, and the objective's figures by name) and whether
+    any rank wants to stop or to save.
     """
-    loss_sum, nll_sum, n_tokens, stop, save_due, norm, *dropped = queued.tolist()
+    values, names = queued
+    loss_sum, nll_sum, n_tokens, stop, save_due, norm, *figures = values.tolist()
     lr = run.optimizer.param_groups[0]["lr"]  # the rate of this step's update
     finite = math.isfinite(loss_sum) and math.isfinite(norm)
     if finite:
@@ -75,32 +79,32 @@ def finish_step(run: Run, queued: Tensor, micro: list[Batch]) -> tuple[dict[str,
         "grad_norm": norm,
         "flops": sum(train_flops(run.cfg.model, *b.src.shape, b.tgt_in.size(1)) for b in micro),
     }
-    if dropped:
-        stats["moe_dropped"] = dropped[0]
+    stats.update(zip(names, figures))
     return stats, stop > 0, save_due > 0
 
 
 def accumulate(
     objective: nn.Module, micro: list[Batch], runtime: Runtime, n_tokens: Tensor, max_tokens: int
-) -> Tensor:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Forward and backward over this rank's batches of one step; gradient = d(loss sum) / n_tokens,
     the step's target tokens over all ranks (a device scalar). Returns this rank's sums of the loss
-    and of the NLL (2,)."""
+    and of the NLL (2,), and the objective's figures of the last batch."""
     scale = runtime.world_size / n_tokens  # DDP averages the ranks' gradients; this turns it into the sum
-    sums = torch.zeros(2, device=runtime.device)
+    sums, figures = torch.zeros(2, device=runtime.device), {}
     for i, batch in enumerate(micro):
         synced = not runtime.distributed or i == len(micro) - 1  # all-reduce gradients once, after the last
         with nullcontext() if synced else objective.no_sync():
-            sums += torch.stack(forward_backward(objective, batch, scale, runtime, max_tokens))
-    return sums
+            loss, nll, figures = forward_backward(objective, batch, scale, runtime, max_tokens)
+            sums += torch.stack([loss, nll])
+    return sums, figures
 
 
 def forward_backward(
     objective: nn.Module, batch: Batch, scale: float, runtime: Runtime, max_tokens: int
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     try:
         with runtime.autocast():
-            loss, nll = objective(batch.src, batch.tgt_in, batch.tgt_out)
+            loss, nll, figures = objective(batch.src, batch.tgt_in, batch.tgt_out)
         (loss * scale).backward()
     except torch.OutOfMemoryError:
         raise TrainingError(
@@ -108,7 +112,7 @@ def forward_backward(
             f"{tuple(batch.tgt_in.shape)}; lower trainer.max_tokens (now {max_tokens}): gradient "
             "accumulation keeps the tokens per step at trainer.tokens_per_step"
         ) from None
-    return loss.detach(), nll
+    return loss.detach(), nll, figures
 
 
 def grad_norm(model: nn.Module, clip: float) -> Tensor:
@@ -129,7 +133,7 @@ def validate(objective: nn.Module, batches: list[Batch], runtime: Runtime) -> tu
     for batch in batches:
         batch = batch.to(runtime.device, non_blocking=True)
         with runtime.autocast():
-            loss, nll = objective(batch.src, batch.tgt_in, batch.tgt_out)
+            loss, nll, _ = objective(batch.src, batch.tgt_in, batch.tgt_out)
         loss_sum, nll_sum, n_tokens = (
             loss_sum + loss.item(),
             nll_sum + nll.item(),

@@ -1,0 +1,71 @@
+"""Where a command runs and in what precision: the one resolver of `device` and `precision` for
+training, decoding and the benchmark.
+
+`precision` means one thing per command:
+
+- training (`trainer.precision`): the dtype autocast runs the forward and backward passes in; the
+  weights, their gradients and Adam's moments stay float32. "auto" is bf16 where the device multiplies
+  it natively (CUDA, CPUs with AVX512-BF16 or AMX), else fp32.
+- decoding (`precision` of translate.py, evaluate.py and visualize_attention.py; `finish.precision`):
+  the dtype the weights are cast to, the search adding its scores up in float32; "int8" multiplies by
+  8-bit weights on the CPU. "auto" is bf16 on CUDA and fp32 on every CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from transformer.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """ "auto" = the GPU of this process (LOCAL_RANK under torchrun) when CUDA is there, else the CPU;
+    "cuda" = that GPU; "cpu" and "cuda:N" as they say."""
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} was asked for, but this machine has no CUDA device; use device=cpu")
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX instructions."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def training_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """trainer.precision -> autocast's dtype (torch.float32: autocast off)."""
+    if precision == "auto":
+        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+        return torch.bfloat16 if native else torch.float32
+    _check_bf16(precision, device, "trainer.precision")
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def decoding_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """Decoding's precision -> the dtype of the weights (int8: float32 weights, 8-bit products)."""
+    if precision == "int8" and device.type != "cpu":
+        raise ConfigError(f"precision=int8 runs on the CPU; the device here is {device}: add device=cpu")
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    _check_bf16(precision, device, "precision")
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def _check_bf16(precision: str, device: torch.device, key: str) -> None:
+    if precision != "bf16":
+        return
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"{torch.cuda.get_device_name(device)} has no bf16; use {key}=fp32")
+    if device.type == "cpu" and not cpu_has_bf16():
+        log.warning(
+            "this CPU multiplies bf16 without native instructions (AVX512-BF16 or AMX), likely slower than "
+            "fp32; %s=fp32 computes the same model",
+            key,
+        )
