@@ -1,15 +1,23 @@
-"""Translate with a trained checkpoint (beam search as in §6.1).
+"""Translate with a trained checkpoint (beam search as in §6.1), or several (an ensemble).
 
   echo "The cat sat on the mat." | python translate.py checkpoint=runs/demo/checkpoints/checkpoint_last.pt
   python translate.py checkpoint=... input=newstest2014.en output=hyp.de beam_size=4 alpha=0.6
   python translate.py checkpoint=... text='"One sentence, quoted for Hydra."'
+  python translate.py checkpoint=... nbest=4 output_format=jsonl          # n-best lists with scores
+  python translate.py checkpoint=... sampling=true nbest=2 topp=0.9 seed=1  # samples (back-translation)
+  python translate.py checkpoint=... input=src.de score=hyp.en             # score given translations
+  python translate.py checkpoint=[a.pt,b.pt] weights=[0.5,0.5]             # an ensemble
 
-One output line per input line, always: bad lines get a warning on stderr, never a stop.
+One output line (text) or entry per input line, always: bad lines get a warning on stderr, never a
+stop. From a terminal, or with buffer_size=N, each line (each N lines) is translated and written as it
+arrives; a piped file is read whole and batched for speed.
 """
 
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -19,11 +27,10 @@ from transformer import atomic
 from transformer.checkpoint import CheckpointError
 from transformer.cli import exit_with_error
 from transformer.config import ConfigError, TranslateConfig, app_defaults, from_dict
+from transformer.formats import format_line
 from transformer.translation import Translator, split_input
 
-ConfigStore.instance().store(
-    name="translate_defaults", node=app_defaults("translate")
-)  # configs/translate.yaml
+ConfigStore.instance().store(name="translate_defaults", node=app_defaults("translate"))  # every default
 
 
 def read_lines(cfg: TranslateConfig) -> list[str]:
@@ -31,10 +38,38 @@ def read_lines(cfg: TranslateConfig) -> list[str]:
         return [" ".join(cfg.text.splitlines())]
     if cfg.input is None:
         return split_input(sys.stdin.buffer.read())
-    path = Path(cfg.input)
+    return split_input(_file(cfg.input, "input").read_bytes())
+
+
+def _file(name: str, key: str) -> Path:
+    path = Path(name)
     if not path.is_file():
-        raise ConfigError(f"input={cfg.input} is not a file")
-    return split_input(path.read_bytes())
+        raise ConfigError(f"{key}={name} is not a file")
+    return path
+
+
+def chunks(stream: BinaryIO, size: int) -> Iterator[list[str]]:
+    """The lines of `stream` `size` at a time, each chunk as soon as its lines have arrived."""
+    pending: list[bytes] = []
+    for raw in iter(stream.readline, b""):
+        pending.append(raw.removesuffix(b"\n"))
+        if len(pending) == size:
+            yield split_input(b"\n".join(pending) + b"\n")
+            pending = []
+    if pending:
+        yield split_input(b"\n".join(pending) + b"\n")
+
+
+def results(translator: Translator, cfg: TranslateConfig, lines: list[str], first: int) -> str:
+    """The output of input lines numbered from `first`, in cfg.output_format."""
+    if cfg.score is not None:
+        references = split_input(_file(cfg.score, "score").read_bytes())
+        found = [[t] if t is not None else [] for t in translator.score(lines, references)]
+    else:
+        found = translator.translate_nbest(lines, progress=cfg.input is not None, first=first)
+    return "".join(
+        format_line(cfg.output_format, first + i, line, h) for i, (line, h) in enumerate(zip(lines, found))
+    )
 
 
 def run(cfg: TranslateConfig) -> None:
@@ -42,13 +77,23 @@ def run(cfg: TranslateConfig) -> None:
     if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
         raise ConfigError(f"output={cfg.output} must be a file in an existing directory")
     translator = Translator.from_checkpoint(cfg)
-    lines = read_lines(cfg)
-    translations = translator.translate(lines, progress=cfg.input is not None)
-    text = "".join(line + "\n" for line in translations)
-    if output is None:
-        sys.stdout.buffer.write(text.encode("utf-8"))
-        sys.stdout.flush()
+    interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
+    if interactive and cfg.score is None:
+        written, first = [], 0
+        for lines in chunks(sys.stdin.buffer, cfg.buffer_size or 1):
+            text = results(translator, cfg, lines, first)
+            first += len(lines)
+            if output is None:
+                sys.stdout.buffer.write(text.encode("utf-8"))
+                sys.stdout.flush()
+            written.append(text)
+        text = "".join(written)
     else:
+        text = results(translator, cfg, read_lines(cfg), 0)
+        if output is None:
+            sys.stdout.buffer.write(text.encode("utf-8"))
+            sys.stdout.flush()
+    if output is not None:
         atomic.write_bytes(output, text.encode("utf-8"))
 
 

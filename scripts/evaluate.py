@@ -4,6 +4,7 @@
       checkpoint=runs/paper_base/checkpoints/checkpoint_average_last5.pt
   python scripts/evaluate.py checkpoint=... data=multi30k data.source=local data.path=../shared/data/multi30k
   python scripts/evaluate.py checkpoint=runs/demo/checkpoints/checkpoint_average_last5.pt
+  python scripts/evaluate.py checkpoint=[a.pt,b.pt] weights=[0.5,0.5]     # an ensemble
 
 Without `data=`, the corpus is the one the checkpoint was trained on (data.KEY=VALUE settings apply
 over it).

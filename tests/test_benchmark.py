@@ -71,9 +71,11 @@ def test_every_section_at_tiny_sizes(tmp_path):
         "--data-pairs", "20000", "--corpus-dir", str(corpus), "--prepare-vocab", "60",
     )  # fmt: skip
     check_train(report["train"], {"ours", "nn.Transformer", "Marian (HF)"}, {"eager"})
-    for mode in report["decode"].values():
+    for name, mode in report["decode"].items():
+        policies = ["ours, n-best 4", "ours, 4 samples (top-k 50)"] if name == "beam4" else []
         decoders = [
             "ours",
+            *policies,  # the search's other policies, against beam 4 only
             "ours int8",
             "CTranslate2 float32",
             "CTranslate2 int8",

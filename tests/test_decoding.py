@@ -23,10 +23,10 @@ from transformer.decoding import (
     best_next_tokens,
     greedy_search,
     length_penalty,
+    scoring,
     search_weights,
     vocab_chunks,
 )
-from transformer.decoding import search as search_module
 from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
@@ -238,7 +238,7 @@ def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
 def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, step, min_len, n):
     """The n best of a projection made chunk by chunk (each chunk's own log-softmax and log-sum-exp)
     are torch.topk of the log-softmax over the whole vocabulary, PAD, BOS (and EOS before min_len) out."""
-    monkeypatch.setattr(search_module, "VOCAB_CHUNK", chunk)
+    monkeypatch.setattr(scoring, "VOCAB_CHUNK", chunk)
     chunks = vocab_chunks(40, torch.device("cpu"))
     assert chunks[0][0] == 0 and chunks[-1][1] == 40 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     assert len(chunks) == math.ceil(40 / chunk) and len({end - start for start, end in chunks[:-1]}) <= 1
@@ -250,10 +250,10 @@ def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, 
     got_values, got_index = best_next_tokens(states, model.embed.weight, torch.tensor(step), min_len, n)
     assert torch.equal(got_index, index)
     torch.testing.assert_close(got_values, values.float(), rtol=1e-6, atol=1e-6)
-    monkeypatch.setattr(search_module, "VOCAB_CHUNK", 8192)
+    monkeypatch.setattr(scoring, "VOCAB_CHUNK", 8192)
     src = sources([3, 7, 5], 40)
     whole = beam_search(model, src, beam_size=3, max_len_b=6)
-    monkeypatch.setattr(search_module, "VOCAB_CHUNK", chunk)
+    monkeypatch.setattr(scoring, "VOCAB_CHUNK", chunk)
     chunked = beam_search(model, src, beam_size=3, max_len_b=6)
     assert chunked.tokens == whole.tokens
     torch.testing.assert_close(chunked.scores, whole.scores, rtol=1e-6, atol=1e-6)
@@ -411,7 +411,7 @@ def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory():
         with _NoHostValues():
             search.step()
         layouts.append(layout())
-    assert int(search.cache.position) == 5 and not search.done()  # min_len 5: nobody finished
+    assert int(search.position) == 5 and not search.done()  # min_len 5: nobody finished
     assert layouts[1] == layouts[3] == layouts[5] and layouts[2] == layouts[4]  # two layouts in turn
     assert layouts[1] != layouts[2] and sorted(layouts[1]) == sorted(layouts[2])  # buffers trade places
     while not search.done():  # the rest of the search: the result of beam_search

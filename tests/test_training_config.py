@@ -354,7 +354,7 @@ def test_group_files_hold_only_deltas_over_the_dataclass_defaults(group):
             assert value != defaults[key], f"{path.name} restates {group}.{key}={value!r}, the default"
 
 
-@pytest.mark.parametrize("app", ["translate", "evaluate", "visualize", "export", "prepare_data"])
+@pytest.mark.parametrize("app", ["translate", "evaluate", "visualize", "export", "serve", "prepare_data"])
 def test_app_files_hold_no_settings_of_their_own(app):
     values = yaml.safe_load((ROOT / "configs" / f"{app}.yaml").read_text())
     assert set(values) == {"defaults", "hydra"}

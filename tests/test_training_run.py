@@ -66,7 +66,7 @@ def overrides(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
         "data=multi30k",
         "data.source=local",
         f"data.path={corpus}",
-        f"data.dir={corpus.parent / 'prepared'}",
+        f"data.dir={corpus.with_name(corpus.name + '_prepared')}",  # one per corpus fixture
         "data.local_splits=null",  # the files are named by role: train, valid, test
         "data.vocab_size=64",
         "data.splits.valid=valid",
@@ -223,7 +223,7 @@ def test_a_mixture_of_experts_run_resumes_exactly_averages_and_translates(corpus
 def test_pairs_longer_than_the_positional_table_fail_before_the_first_step(corpus, tmp_path):
     args = overrides(corpus, tmp_path, "trainer.max_steps=2", "trainer.pad_to_multiple=8")
     prepare(compose_config(args).data)
-    train_set = ShardDataset(corpus.parent / "prepared", "train")
+    train_set = ShardDataset(corpus.with_name(corpus.name + "_prepared"), "train")
     longest = int(max(train_set.src_lengths.max(), train_set.tgt_lengths.max())) + 1  # + EOS
     needed = -(-longest // 8) * 8  # padded as the batches are
     with pytest.raises(ConfigError, match=f"the train split's longest pair needs {needed} positions"):
@@ -389,7 +389,7 @@ def test_a_stopped_and_resumed_run_keeps_and_averages_the_checkpoints_of_an_unin
 def test_a_full_disk_stops_the_run_with_one_message_and_leaves_the_last_checkpoint_current(
     corpus, uninterrupted, tmp_path, monkeypatch
 ):
-    args = overrides(corpus, tmp_path, "trainer.save_every_steps=2")
+    args = overrides(corpus, tmp_path, "trainer.save_every_steps=2", "trainer.eval_every_steps=0")  # no best
     train(compose_config([*args, "trainer.max_steps=4"]))
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=100_000))
@@ -416,7 +416,7 @@ def test_the_temp_file_of_a_killed_save_is_removed_on_the_next_start(corpus, tmp
     leftover.write_bytes((directory / "checkpoint_2.pt").read_bytes())
     train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3")))
     names = sorted(p.name for p in directory.iterdir())
-    assert names == ["checkpoint_2.pt", "checkpoint_3.pt", "checkpoint_last.pt"]
+    assert names == ["checkpoint_2.pt", "checkpoint_3.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
 
 
 def test_a_run_resumes_from_its_last_checkpoint_when_the_numbered_ones_are_unreadable_and_never_restarts(

@@ -213,9 +213,9 @@ def test_a_batch_holds_at_most_max_sentences(tiny_checkpoint, monkeypatch):
     bounded = Translator.from_checkpoint(TranslateConfig(checkpoint=str(tiny_checkpoint), max_sentences=4))
     sizes, search = [], Translator.search
 
-    def recording(self, src):
+    def recording(self, src, *rest):
         sizes.append(src.size(0))
-        return search(self, src)
+        return search(self, src, *rest)
 
     monkeypatch.setattr(Translator, "search", recording)
     expected = unbounded.translate(lines)

@@ -15,14 +15,17 @@ and, for resuming training:
     data_state    the batch sampler's {"epoch", "position"}
     rng           one entry per rank: {"python", "numpy", "torch", "cuda"} generator states
     interim       True for a checkpoint written only because a signal stopped the run
+    best          the best validation so far: {"metric", "value", "step", "since"}
+    early_stopped True once `trainer.patience` validations in a row did not improve
 An average of checkpoints (§6.1) has no resume state and lists its inputs under "averaged_from".
 `load_checkpoint` reads older checkpoints in today's terms (parameters renamed since, under their new
 names), so they translate, resume, average and export as they did.
 
-A run keeps `<run_dir>/checkpoints/checkpoint_<step>.pt` (the newest `keep_last` of them) and the newest
-also as `checkpoint_last.pt`: a hard link (a copy where the filesystem has none), never a symlink, so
-it survives copying. The resumed run's next checkpoint replaces an interim one, so that a stopped and
-resumed run keeps, rotates and averages the same checkpoints as an uninterrupted one.
+A run keeps `<run_dir>/checkpoints/checkpoint_<step>.pt` (the newest `keep_last` of them), the
+checkpoint of its best validation as `checkpoint_best.pt` (never rotated away; it resumes too), and
+the newest also as `checkpoint_last.pt`: a hard link (a copy where the filesystem has none), never a
+symlink, so it survives copying. The resumed run's next checkpoint replaces an interim one, so that a
+stopped and resumed run keeps, rotates and averages the same checkpoints as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ FORMAT = "transformer-checkpoint"
 RESUME_KEYS = ("optimizer", "scheduler", "data_state", "rng")
 _NUMBERED = re.compile(r"checkpoint_(\d+)\.pt")
 LAST = "checkpoint_last.pt"  # a copy of the newest numbered checkpoint
+BEST = "checkpoint_best.pt"  # the checkpoint of the best validation (trainer.best_metric); never rotated
 
 log = logging.getLogger(__name__)
 
@@ -228,10 +232,21 @@ def save_numbered(
     return path
 
 
+def save_best(ckpt: dict[str, Any], run_dir: str | Path, numbered: Path | None) -> Path:
+    """checkpoint_best.pt: the same file as `numbered` where this step was saved (a hard link), else
+    `ckpt` written atomically."""
+    best = checkpoint_dir(run_dir) / BEST
+    if numbered is not None:
+        _link_last(numbered, best)
+    else:
+        write_checkpoint(ckpt, best)
+    return best
+
+
 def _link_last(newest: Path, last: Path) -> None:
-    """checkpoint_last.pt as a hard link to the newest numbered file (no second copy on disk), replaced
-    atomically; a copy where the filesystem has no hard links. A copy that fails leaves no older file
-    under the name."""
+    """`last` (checkpoint_last.pt, checkpoint_best.pt) as a hard link to the newest numbered file (no
+    second copy on disk), replaced atomically; a copy where the filesystem has no hard links. A copy
+    that fails leaves no older file under the name."""
     temp = last.with_name(f".{last.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
     try:
         os.link(newest, temp)

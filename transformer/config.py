@@ -59,6 +59,7 @@ DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
 EXPORT_FORMATS = ("ctranslate2", "huggingface")
+OUTPUT_FORMATS = ("text", "fairseq", "jsonl")  # translate.py (transformer/formats.py)
 ROLES = ("train", "valid", "test")
 
 
@@ -287,6 +288,10 @@ class TrainerConfig(DeviceConfig):
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
     keep_last: int = 20  # numbered checkpoints kept (averaging takes up to 20, §6.1)
     eval_every_steps: int = 1000  # validation loss on the `valid` split; 0 = off
+    bleu_every_steps: int = 0  # BLEU on the `valid` split with the finish stage's search; 0 = off
+    bleu_sentences: int = 0  # the first N sentences of the valid split for BLEU; 0 = all
+    best_metric: str = "loss"  # "loss" | "bleu": checkpoint_best.pt is the best validation's checkpoint
+    patience: int = 0  # stop after this many validations of best_metric without improvement; 0 = off
     log_every_steps: int = 100
     resume: str = "auto"  # "auto" (newest valid checkpoint in run_dir) | "never" | a checkpoint path
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
@@ -306,8 +311,20 @@ class TrainerConfig(DeviceConfig):
             "dist_timeout_minutes",
             "pad_to_multiple",
         )
-        for key in ("save_every_steps", "save_every_minutes", "eval_every_steps"):
+        for key in (
+            "save_every_steps",
+            "save_every_minutes",
+            "eval_every_steps",
+            "bleu_every_steps",
+            "patience",
+        ):
             self.require(getattr(self, key) >= 0, key, "must be >= 0 (0 = off)")
+        self.require(self.bleu_sentences >= 0, "bleu_sentences", "must be >= 0 (0 = all)")
+        self.require_choice("best_metric", ("loss", "bleu"))
+        validations = self.bleu_every_steps if self.best_metric == "bleu" else self.eval_every_steps
+        every = "trainer.bleu_every_steps" if self.best_metric == "bleu" else "trainer.eval_every_steps"
+        if self.best_metric == "bleu" or self.patience:  # loss without validations: no best checkpoint
+            self.require(validations > 0, "best_metric", f"needs its validations: {every} is 0")
         super().__post_init__()
 
     def grad_accum(self, world_size: int) -> int:
@@ -352,9 +369,19 @@ class TrainConfig(Settings):
 
 @dataclass
 class DecodeConfig(SearchConfig, DeviceConfig):
-    """A checkpoint and how to decode with it: the search (§6.1), the device, the batches."""
+    """A checkpoint (or several: an ensemble) and how to decode with it: the search (§6.1) or sampling,
+    the device, the batches."""
 
-    checkpoint: str | None = None  # a checkpoint file (it carries its tokenizer)
+    checkpoint: str | list[str] | None = None  # a checkpoint file (it carries its tokenizer), or a list
+    weights: list[float] | None = (
+        None  # an ensemble's weight per checkpoint (Marian's --weights); None: equal
+    )
+    nbest: int = 1  # hypotheses per input (at most beam_size), or samples with sampling=true
+    sampling: bool = False  # draw nbest samples per input instead of searching (e.g. back-translation)
+    topk: int = 0  # sampling: from the k most probable tokens only; 0 = all
+    topp: float = 1.0  # sampling: from the most probable tokens whose probability reaches p; 1.0 = all
+    temperature: float = 1.0  # sampling: softmax(logits / temperature)
+    seed: int = 0  # sampling: the same seed draws the same samples, whatever the batches
     max_tokens: int = 4096  # padded source tokens per batch
     max_sentences: int = 256  # sentences per batch: bounds the decoder's cache on batches of short lines
     cuda_graphs: bool | None = None  # each search step one CUDA graph replay; None: on CUDA
@@ -367,10 +394,33 @@ class DecodeConfig(SearchConfig, DeviceConfig):
         for f in dataclasses.fields(self):
             if not dataclasses.is_dataclass(hints[f.name]):  # EvaluateConfig.data comes typed
                 setattr(self, f.name, _typed(hints[f.name], getattr(self, f.name), f.name))
-        self.require_positive("max_tokens", "max_sentences")
+        self.require_positive("max_tokens", "max_sentences", "nbest", "temperature")
         super().__post_init__()
         if self.precision == "int8" and (self.device.startswith("cuda") or self.cuda_graphs):
             raise ConfigError("precision=int8 runs on the CPU: not with device=cuda or cuda_graphs=true")
+        self._check_policies()
+
+    def _check_policies(self) -> None:
+        """n-best lists, sampling and ensembles."""
+        if not self.sampling:
+            self.require(self.nbest <= self.beam_size, "nbest", f"must be at most beam_size={self.beam_size}")
+        self.require(self.topk >= 0, "topk", "must be >= 0 (0 = every token)")
+        self.require(0 < self.topp <= 1, "topp", "must be in (0, 1]")
+        if not self.sampling and (self.topk or self.topp < 1 or self.temperature != 1):
+            raise ConfigError("topk, topp and temperature shape sampling: add sampling=true")
+        paths = self.checkpoint if isinstance(self.checkpoint, list) else [self.checkpoint]
+        self.require(len(paths) > 0, "checkpoint", "must name at least one file")
+        if self.weights is not None:
+            self.require(
+                len(self.weights) == len(paths),
+                "weights",
+                f"must have one weight per checkpoint ({len(paths)})",
+            )
+            self.require(
+                all(w >= 0 for w in self.weights) and sum(self.weights) > 0,
+                "weights",
+                "must be >= 0, not all 0",
+            )
 
 
 @dataclass
@@ -378,13 +428,47 @@ class TranslateConfig(DecodeConfig):
     """`translate.py`: lines from `input` (default stdin) or one `text`, to `output` (default stdout)."""
 
     input: str | None = None  # a text file, one sentence per line; None = standard input
-    output: str | None = None  # None = standard output; a file is written atomically
+    output: str | None = None  # None = standard output; a file is written atomically (at the end)
     text: str | None = None  # one sentence to translate instead of the input
+    output_format: str = (
+        "text"  # "text" (the best, a line each) | "fairseq" | "jsonl" (transformer/formats.py)
+    )
+    score: str | None = (
+        None  # a file of given translations, a line per input line, to score instead of search
+    )
+    buffer_size: int | None = None  # translate and write each N lines as they arrive; None: 1 from a terminal
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.text is not None and self.input is not None:
             raise ConfigError("give either text=... or input=FILE, not both")
+        self.require_choice("output_format", OUTPUT_FORMATS)
+        if self.output_format == "text" and self.nbest > 1 and self.score is None:
+            raise ConfigError(
+                f"output_format=text writes one translation per line: with nbest={self.nbest} choose "
+                "output_format=jsonl or output_format=fairseq"
+            )
+        if self.score is not None and self.sampling:
+            raise ConfigError("score=FILE scores the translations given: not with sampling=true")
+        self.require(self.buffer_size is None or self.buffer_size >= 1, "buffer_size", "must be at least 1")
+
+
+@dataclass
+class ServeConfig(DecodeConfig):
+    """`scripts/serve.py`: a local HTTP endpoint (transformer/serving/server.py) and its limits."""
+
+    host: str = "127.0.0.1"  # this machine only; 0.0.0.0 listens on every interface
+    port: int = 8000
+    max_body_bytes: int = 1_000_000  # a larger request is refused (413)
+    max_lines: int = 64  # lines per request (and per batch of requests)
+    max_chars: int = 10_000  # characters per line
+    batch_wait_ms: float = 10.0  # how long the model waits for more requests to batch with the first
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require(0 <= self.port < 65536, "port", "must be in 0..65535 (0: any free port)")
+        self.require_positive("max_body_bytes", "max_lines", "max_chars")
+        self.require(self.batch_wait_ms >= 0, "batch_wait_ms", "must be >= 0")
 
 
 @dataclass
@@ -464,10 +548,16 @@ def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
 def _typed(hint: Any, value: Any, name: str) -> Any:
     """value as a field of type `hint` takes it, or a ConfigError that names the setting: a typo such as
     trainer.max_steps=abc fails here, not as a TypeError deep in the run."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None, X | Y | None
         if value is None:
             return None
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        for option in options[:-1]:  # the first the value fits, the last one's message otherwise
+            try:
+                return _typed(option, value, name)
+            except ConfigError:
+                pass
+        hint = options[-1]
     kind = typing.get_origin(hint) or hint
     if kind is bool and not isinstance(value, bool):  # "maybe" or 1 would pass as truthy
         raise ConfigError(f"{name}={value!r} must be true or false")
@@ -512,6 +602,7 @@ def app_defaults(app: str) -> dict[str, Any]:
         "evaluate": EvaluateConfig,
         "visualize": VisualizeConfig,
         "export": ExportConfig,
+        "serve": ServeConfig,
     }
     if app == "prepare_data":
         return {"data": defaults(DataConfig)}

@@ -192,14 +192,28 @@ def read_split(cfg: DataConfig, role: str) -> Split:
     return load_splits(only)[role]
 
 
+def _search_name(cfg: EvaluateConfig, models: int) -> str:
+    """`beam4.alpha0.6`, `greedy` or `sample.seed<s>`, then `.len<a>x+<b>` for an output limit other than
+    §6.1's, `.bf16` or `.int8` for those precisions, `.ensemble<n>` for n checkpoints: another search
+    never overwrites a result."""
+    search = f"beam{cfg.beam_size}.alpha{cfg.alpha:g}" if cfg.beam_size > 1 else "greedy"
+    if cfg.sampling:
+        search = f"sample.seed{cfg.seed}"
+    if (cfg.max_len_a, cfg.max_len_b) != (EvaluateConfig.max_len_a, EvaluateConfig.max_len_b):
+        search += f".len{cfg.max_len_a:g}x+{cfg.max_len_b}"  # another output limit
+    if cfg.precision in ("bf16", "int8"):
+        search += f".{cfg.precision}"
+    return search + (f".ensemble{models}" if models > 1 else "")
+
+
 def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = None) -> dict[str, Any]:
-    """Translate the raw source side of split `cfg.split`, score it, and write beside the checkpoint
-    `<checkpoint>.<data>.<split>.<search>.bleu.json` and the hypotheses (search: `beam4.alpha0.6`, or
-    `greedy`, then `.len<a>x+<b>` for an output limit other than §6.1's, `.bf16` or `.int8` for those
-    precisions); returns that JSON plus its "path" and "table".
+    """Translate the raw source side of split `cfg.split`, score it, and write beside the (first)
+    checkpoint `<checkpoint>.<data>.<split>.<search>.bleu.json` and the hypotheses (`_search_name`);
+    returns that JSON plus its "path" and "table".
     `translator`: the checkpoint already loaded with cfg's decoding settings (else it is loaded here)."""
     if translator is None:  # a bad checkpoint fails before any reading or decoding
         translator = Translator.from_checkpoint(cfg)
+    checkpoints = [cfg.checkpoint] if isinstance(cfg.checkpoint, str) else cfg.checkpoint
     data = cfg.data
     split = read_split(data, cfg.split)
     meta = translator.info.get("data_meta") or {}
@@ -215,12 +229,7 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
     hypotheses = translator.translate(split.src, progress=True)
     lowercase = cfg.lowercase if cfg.lowercase is not None else wants_lowercase(data.name, cfg.split)
     scores = score_all(hypotheses, split.tgt, data.tgt_lang, lowercase)
-    search = f"beam{cfg.beam_size}.alpha{cfg.alpha:g}" if cfg.beam_size > 1 else "greedy"
-    if (cfg.max_len_a, cfg.max_len_b) != (EvaluateConfig.max_len_a, EvaluateConfig.max_len_b):
-        search += f".len{cfg.max_len_a:g}x+{cfg.max_len_b}"  # another output limit
-    if cfg.precision in ("bf16", "int8"):
-        search += f".{cfg.precision}"
-    stem = f"{cfg.checkpoint}.{data.name}.{cfg.split}.{search}"  # another search never overwrites it
+    stem = f"{checkpoints[0]}.{data.name}.{cfg.split}.{_search_name(cfg, len(checkpoints))}"
     result: dict[str, Any] = {
         "checkpoint": cfg.checkpoint,
         "step": translator.info.get("step"),
@@ -235,6 +244,7 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
     atomic.write_bytes(Path(result["hypotheses"]), "".join(h + "\n" for h in hypotheses).encode("utf-8"))
     path = f"{stem}.bleu.json"
     atomic.write_bytes(Path(path), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
-    title = f"BLEU of {cfg.checkpoint} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
+    of = " + ".join(checkpoints)
+    title = f"BLEU of {of} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
     table = f"{title}\n{paper_table(scores, data.name, cfg.split)}\nwrote {path} and {result['hypotheses']}"
     return {**result, "path": path, "table": table}

@@ -8,8 +8,10 @@ import shlex
 from pathlib import Path
 
 from transformer.checkpoint import (
+    BEST,
     average_checkpoints,
     averaged_path,
+    checkpoint_dir,
     latest_checkpoint,
     list_checkpoints,
     write_checkpoint,
@@ -34,7 +36,7 @@ def check_finish(cfg: TrainConfig) -> None:
 def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     """Run the finish stage when the run is complete; returns the checkpoint it used (None if skipped)."""
     found = latest_checkpoint(run_dir)
-    if found is None or found[1]["step"] < cfg.trainer.max_steps:
+    if found is None or (found[1]["step"] < cfg.trainer.max_steps and not found[1].get("early_stopped")):
         return None  # an unfinished run: nothing final to report yet
     settings = cfg.finish
     checkpoint = found[0]
@@ -44,6 +46,12 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     device = {"device": "cpu" if int8 else cfg.trainer.device, "threads": cfg.trainer.threads}
     decode = dict(checkpoint=str(checkpoint), **settings.search_settings(), **device)
     written = [checkpoint]
+    best, record = checkpoint_dir(run_dir) / BEST, found[1].get("best") or {}
+    if best.is_file() and record.get("value") is not None:  # the best validation (trainer.best_metric)
+        print(
+            f"best checkpoint: {best} (step {record['step']}, valid {record['metric']} {record['value']:.4g})"
+        )
+        written.append(best)
     if settings.evaluate_split is None and not settings.examples and not settings.attention_text:
         print_next_steps(cfg, run_dir, checkpoint, written)
         return checkpoint

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,32 +21,59 @@ from tqdm import tqdm
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import ConfigError, DecodeConfig
 from transformer.data.tokenizer import Tokenizer
-from transformer.decoding import SearchResult, beam_search, search_weights
+from transformer.decoding import (
+    Ensemble,
+    Hypothesis,
+    Sampling,
+    SearchResult,
+    beam_search,
+    length_penalty,
+    search_weights,
+)
 from transformer.devices import decoding_dtype, resolve_device
 from transformer.kernels import Kernels
 from transformer.model import Transformer
-from transformer.vocab import EOS_ID, PAD_ID
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Translation:
+    """One output for one input line: its text; its score, log P(Y|X) / lp(Y) as the search ranks it
+    (GNMT length penalty with the decoding's alpha; a beam of 1 and sampling without: log P(Y|X));
+    log P(Y|X) itself (natural log, EOS included); its pieces, "</s>" last where it ended in EOS; and
+    each piece's log-probability."""
+
+    text: str
+    score: float
+    log_prob: float
+    pieces: list[str]
+    token_log_probs: list[float]
+
+
 class Translator:
-    """A checkpoint's model and tokenizer with the decoding settings of `DecodeConfig` (§6.1)."""
+    """A checkpoint's model (or an ensemble of several) and tokenizer with the decoding settings of
+    `DecodeConfig` (§6.1): `translate` (text), `translate_nbest` (hypotheses with scores), `score`
+    (given translations)."""
 
     def __init__(
         self,
-        model: Transformer,
+        model: Transformer | list[Transformer],
         tokenizer: Tokenizer,
         cfg: DecodeConfig,
         info: dict[str, Any] | None = None,
         kernels: Kernels | None = None,
     ) -> None:
-        """model: with `kernels` in place already (`from_checkpoint` does both)."""
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        """model: with `kernels` in place already (`from_checkpoint` does both); several: an ensemble,
+        weighted by cfg.weights."""
+        self.models = model if isinstance(model, list) else [model]
+        self.model = self.models[0]
+        self.tokenizer, self.cfg = tokenizer, cfg
         self.kernels = Kernels() if kernels is None else kernels
         self.info = info or {}  # the checkpoint's step, data_meta and run config
-        self.device = next(model.parameters()).device
-        positions = model.cfg.max_positions
+        self.device = next(self.model.parameters()).device
+        positions = self.model.cfg.max_positions
         # Longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b outputs.
         if cfg.max_len_a == 0:
             room = positions if cfg.max_len_b <= positions else 0
@@ -57,8 +87,14 @@ class Translator:
             )
 
     @classmethod
-    def from_checkpoint(cls, cfg: DecodeConfig) -> Translator:
-        """Everything comes from the checkpoint file; problems raise CheckpointError or ConfigError."""
+    def from_checkpoint(cls, checkpoint: DecodeConfig | str | Path | list[str], **options: Any) -> Translator:
+        """Everything comes from the checkpoint file (or files: an ensemble); options are `DecodeConfig`'s
+        settings (beam_size=5, nbest=2, device="cpu", ...). Problems raise CheckpointError or ConfigError."""
+        if isinstance(checkpoint, DecodeConfig):
+            cfg = dataclasses.replace(checkpoint, **options)
+        else:
+            paths = [str(p) for p in checkpoint] if isinstance(checkpoint, list) else str(checkpoint)
+            cfg = DecodeConfig(checkpoint=paths, **options)
         device = resolve_device(cfg.device)
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
@@ -67,19 +103,19 @@ class Translator:
         if cfg.cuda_graphs is None:
             cfg = dataclasses.replace(cfg, cuda_graphs=device.type == "cuda")
         dtype = decoding_dtype(cfg.precision, device)  # scores still add up in float32 (decoding/search.py)
-        ckpt = load_checkpoint(cfg.checkpoint)
-        if not ckpt.get("spm_model"):
-            raise CheckpointError(f"{cfg.checkpoint} carries no tokenizer (spm_model)")
-        try:
-            tokenizer = Tokenizer.from_bytes(ckpt["spm_model"])
-            model = model_from_checkpoint(ckpt)
-        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # mismatched weights or config
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CheckpointError(f"{cfg.checkpoint} cannot be loaded: {first}") from None
-        model = model.to(device, dtype)  # out of the try: a device's error (out of memory) is not the file's
+        checkpoints = [cfg.checkpoint] if isinstance(cfg.checkpoint, str) else cfg.checkpoint
+        loaded = [_load(path) for path in checkpoints]
+        for path, (_, _, ckpt) in zip(checkpoints[1:], loaded[1:]):
+            if ckpt["spm_model"] != loaded[0][2]["spm_model"]:
+                raise ConfigError(
+                    f"{checkpoints[0]} and {path} have different tokenizers: an ensemble needs one vocabulary"
+                )
         kernels = Kernels.for_device(device)
+        # .to() out of _load: a device's error (out of memory) is not the file's
+        models = [kernels.apply(model.to(device, dtype)) for model, _, _ in loaded]
+        ckpt = loaded[0][2]
         info = {k: ckpt.get(k) for k in ("step", "data_meta", "config")}
-        return cls(kernels.apply(model), tokenizer, cfg, info, kernels)
+        return cls(models, loaded[0][1], cfg, info, kernels)
 
     def encode(self, lines: list[str]) -> list[list[int]]:
         """Source ids (pieces + [EOS]) per line; over-long lines are truncated with a warning."""
@@ -95,39 +131,139 @@ class Translator:
 
     def packed(self) -> AbstractContextManager[None]:
         """The weights packed once for every batch (`Products.prepacked`), in 8 bits for precision=int8."""
-        int8 = self.cfg.precision == "int8"
-        return self.kernels.products.prepacked(search_weights(self.model, int8), int8)
+        int8, stack = self.cfg.precision == "int8", ExitStack()
+        for model in self.models:
+            stack.enter_context(self.kernels.products.prepacked(search_weights(model, int8), int8))
+        return stack
 
-    def search(self, src: torch.Tensor) -> SearchResult:
-        """Beam search as in §6.1 (beam_size=1: greedy, without length penalty) on a padded batch (B, S);
-        with cuda_graphs, in static shapes and CUDA graphs."""
+    def search(self, src: torch.Tensor, sentence_ids: torch.Tensor | None = None) -> SearchResult:
+        """The search of the settings on a padded batch (B, S): beam search as in §6.1 (beam_size=1:
+        greedy, without length penalty) with its `nbest` best, or `nbest` samples; with cuda_graphs, in
+        static shapes and CUDA graphs. sentence_ids (B,): the lines' numbers (sampling's draws)."""
         cfg = self.cfg
-        alpha = cfg.alpha if cfg.beam_size > 1 else 0.0
-        limits = dict(max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
-        static, linear = cfg.cuda_graphs, self.kernels.products
-        return beam_search(self.model, src, cfg.beam_size, alpha, **limits, static=static, linear=linear)
+        model = (
+            self.model
+            if len(self.models) == 1
+            else Ensemble(self.models, cfg.weights or [1.0] * len(self.models))
+        )
+        sampling = Sampling(cfg.topk, cfg.topp, cfg.temperature, cfg.seed) if cfg.sampling else None
+        beam = cfg.nbest if sampling else cfg.beam_size
+        alpha = cfg.alpha if beam > 1 else 0.0
+        return beam_search(
+            model,
+            src,
+            beam,
+            alpha,
+            max_len_a=cfg.max_len_a,
+            max_len_b=cfg.max_len_b,
+            static=cfg.cuda_graphs,
+            linear=self.kernels.products,
+            nbest=cfg.nbest,
+            sampling=sampling,
+            sentence_ids=sentence_ids,
+        )
 
-    def translate_ids(self, sources: list[list[int]], progress: bool = False) -> list[list[int]]:
-        """Output piece ids per source; sources are batched by length and results put back in order."""
-        outputs: list[list[int]] = [[] for _ in sources]
+    def search_all(
+        self, sources: list[list[int]], progress: bool = False, first: int = 0
+    ) -> list[list[Hypothesis]]:
+        """The hypotheses of each source; sources are batched by length and results put back in order.
+        first: the number of the first source in the whole input (sampling draws by line number)."""
+        outputs: list[list[Hypothesis]] = [[] for _ in sources]
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
         bar = tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating")
         with bar, self.packed():
             lengths, cfg = [len(ids) for ids in sources], self.cfg
             for batch in _batches(todo, lengths, cfg.max_tokens, cfg.max_sentences):
-                src = torch.full((len(batch), len(sources[batch[0]])), PAD_ID, dtype=torch.long)  # (B, S)
-                for row, i in enumerate(batch):
-                    src[row, : len(sources[i])] = torch.tensor(sources[i])
-                result = self.search(src.to(self.device))
-                for i, tokens in zip(batch, result.tokens):
-                    outputs[i] = tokens
+                src = padded([sources[i] for i in batch])  # (B, S)
+                result = self.search(src.to(self.device), first + torch.tensor(batch))
+                for i, hypotheses in zip(batch, result.hypotheses):
+                    outputs[i] = hypotheses
                 bar.update(len(batch))
         return outputs
 
+    def translate_ids(self, sources: list[list[int]], progress: bool = False) -> list[list[int]]:
+        """The best output's piece ids per source."""
+        return [h[0].tokens if h else [] for h in self.search_all(sources, progress)]
+
     def translate(self, lines: list[str], progress: bool = False) -> list[str]:
-        """One output line per input line (line breaks inside a translation become spaces)."""
-        outputs = self.translate_ids(self.encode(lines), progress)
-        return [" ".join(self.tokenizer.decode(ids).splitlines()) if ids else "" for ids in outputs]
+        """One output line per input line, the best (line breaks inside a translation become spaces)."""
+        return [self.text(ids) for ids in self.translate_ids(self.encode(lines), progress)]
+
+    def translate_nbest(
+        self, lines: list[str], progress: bool = False, first: int = 0
+    ) -> list[list[Translation]]:
+        """Per input line its `nbest` hypotheses (or samples), best first; none for an empty line.
+        first: the number of the first line in the whole input (sampling draws by line number)."""
+        found = self.search_all(self.encode(lines), progress, first)
+        return [[self._translation(h) for h in hypotheses if h.token_log_probs] for hypotheses in found]
+
+    def score(self, lines: list[str], translations: list[str]) -> list[Translation | None]:
+        """Given translations scored by teacher forcing (fairseq's --score-reference): per line the
+        log-probability of each of its pieces and EOS, under the model (an ensemble's mixture); None for
+        an empty line."""
+        if len(lines) != len(translations):
+            raise ConfigError(f"{len(lines)} input lines but {len(translations)} translations to score")
+        sources, room = self.encode(lines), self.model.cfg.max_positions - 1
+        targets = [self.tokenizer.encode(t)[:room] + [EOS_ID] for t in translations]
+        scored: list[Translation | None] = [None] * len(lines)
+        todo = [i for i, ids in enumerate(sources) if ids]
+        weights = self.cfg.weights or [1.0] * len(self.models)
+        alpha = self.cfg.alpha if self.cfg.beam_size > 1 else 0.0  # as the search ranks
+        lengths = [max(len(sources[i]), len(targets[i])) for i in range(len(lines))]
+        with torch.inference_mode(), self.packed():
+            for batch in _batches(sorted(todo, key=lambda i: -lengths[i]), lengths, self.cfg.max_tokens, 256):
+                src, tgt = padded([sources[i] for i in batch]), padded([targets[i] for i in batch])
+                log_probs = teacher_forced(self.models, weights, src.to(self.device), tgt.to(self.device))
+                for row, i in enumerate(batch):
+                    token_log_probs = log_probs[row, : len(targets[i])].tolist()
+                    score = sum(token_log_probs) / length_penalty(len(targets[i]), alpha)
+                    hypothesis = Hypothesis(targets[i][:-1], score, token_log_probs)
+                    scored[i] = self._translation(hypothesis)
+        return scored
+
+    def text(self, ids: list[int]) -> str:
+        """Piece ids as one line of text."""
+        return " ".join(self.tokenizer.decode(ids).splitlines()) if ids else ""
+
+    def _translation(self, h: Hypothesis) -> Translation:
+        pieces = self.tokenizer.pieces(h.tokens) + ["</s>"] * (len(h.token_log_probs) - len(h.tokens))
+        return Translation(self.text(h.tokens), h.score, h.log_prob, pieces, h.token_log_probs)
+
+
+def _load(path: str) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """A checkpoint's model (on the CPU) and tokenizer, and the checkpoint."""
+    ckpt = load_checkpoint(path)
+    if not ckpt.get("spm_model"):
+        raise CheckpointError(f"{path} carries no tokenizer (spm_model)")
+    try:
+        return model_from_checkpoint(ckpt), Tokenizer.from_bytes(ckpt["spm_model"]), ckpt
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:  # mismatched weights or config
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path} cannot be loaded: {first}") from None
+
+
+def padded(rows: list[list[int]]) -> torch.Tensor:
+    """(B, longest) token ids, padded with PAD_ID."""
+    batch = torch.full((len(rows), max(len(r) for r in rows)), PAD_ID, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = torch.tensor(row)
+    return batch
+
+
+def teacher_forced(
+    models: list[Transformer], weights: list[float], src: torch.Tensor, tgt: torch.Tensor
+) -> torch.Tensor:
+    """(B, T) float32 log P(y_t | y_<t, X) of each target token of tgt (B, T) (pieces + [EOS], padded),
+    by one full decode of [BOS] + y per model; an ensemble's log sum_m w_m P_m."""
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)  # (B, T)
+    total = sum(weights)
+    each = [
+        m(src, tgt_in).log_softmax(-1, dtype=torch.float32).gather(-1, tgt[:, :, None]).squeeze(-1)
+        + math.log(w / total)
+        for m, w in zip(models, weights)
+        if w > 0
+    ]
+    return each[0] if len(each) == 1 else torch.stack(each).logsumexp(dim=0)
 
 
 def _batches(

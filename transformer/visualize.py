@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from matplotlib.figure import Figure
@@ -89,6 +89,40 @@ def record(model: Transformer, src_ids: list[int], tgt_in: list[int]) -> list[At
     recorder, records = recording(model)
     recorder(src, tgt)
     return records
+
+
+def attention_weights(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    src_ids: list[int],
+    output_ids: list[int],
+    layer: int | None = None,
+    window: int = MAX_PIECES,
+) -> dict[str, Any]:
+    """The model's own attention for one translation, as the explorer draws it: per kind (KINDS), per
+    layer (all, or `layer`), per head, the weights of each query piece over the key pieces, in
+    thousandths (integers 0-1000). Of a longer sentence the first `window` pieces of each side are
+    shown, their weights those of the whole sentence (rows then sum to less than 1000), with a note."""
+    n_layers = model.cfg.n_layers
+    if layer is not None and not -n_layers <= layer < n_layers:
+        raise ConfigError(
+            f"attention_layer={layer} is out of range: the model has {n_layers} layers per stack"
+        )
+    tgt_in = [BOS_ID] + output_ids
+    pieces = {"source": tokenizer.pieces(src_ids)[:window], "target": tokenizer.pieces(tgt_in)[:window]}
+    layers = list(range(n_layers)) if layer is None else [layer % n_layers]
+    payload: dict[str, Any] = {**{f"{side}_pieces": p for side, p in pieces.items()}, "layers": layers}
+    payload["heads"] = model.cfg.n_heads
+    for rec in sorted(record(model, src_ids, tgt_in), key=lambda r: r.layer):
+        if rec.layer in layers:
+            shown = rec.weights[0, :, :window, :window]  # (H, T_q, T_k)
+            payload.setdefault(rec.kind, []).append((shown.float() * 1000).round().int().tolist())
+    if len(src_ids) > window or len(tgt_in) > window:
+        payload["note"] = (
+            f"the sentence has {len(src_ids)} source and {len(tgt_in)} target pieces; the first {window} "
+            "of each are shown, their weights those of the whole sentence"
+        )
+    return payload
 
 
 def plot_heads(weights: torch.Tensor, queries: list[str], keys: list[str], title: str) -> Figure:

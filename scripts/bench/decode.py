@@ -19,10 +19,12 @@ from torch import Tensor, nn
 from bench.measure import FIRST_TOKEN, Setup, interleave
 from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ModelConfig
-from transformer.decoding import beam_search, greedy_search, search_weights
+from transformer.decoding import Sampling, beam_search, greedy_search, search_weights
 from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.vocab import EOS_ID
+
+POLICIES = ("ours, n-best 4", "ours, 4 samples (top-k 50)")
 
 
 def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
@@ -36,13 +38,13 @@ def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str
 
 
 def ours_decoder(
-    model: Transformer, new_tokens: int, kernels: Kernels, graphs: bool = False
+    model: Transformer, new_tokens: int, kernels: Kernels, graphs: bool = False, **policy: Any
 ) -> Callable[[Tensor, int], int]:
     """beam_search / greedy_search with exactly new_tokens outputs: L = 0 x |X| + new_tokens, and EOS
     suppressed through step new_tokens (min_len), with the kernels as translate.py hands them over.
     With graphs, beam_search in static shapes replaying each step as a CUDA graph (greedy: a beam of 1
     without length penalty), recorded anew for every call, as translate.py does for every batch.
-    Returns the output tokens."""
+    `policy`: beam_search's nbest or sampling. Returns the output tokens (of the best hypotheses)."""
     model = kernels.apply(model)
 
     def run(src: Tensor, beam: int) -> int:
@@ -51,6 +53,7 @@ def ours_decoder(
             "max_len_b": new_tokens,
             "min_len": new_tokens,
             "linear": kernels.products,
+            **policy,
         }
         if graphs:
             result = beam_search(model, src, beam, 0.6 if beam > 1 else 0.0, **limits, static=True)
@@ -65,13 +68,12 @@ def ours_decoder(
 
 
 def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """The row of ours a peer is compared with: ours int8 for int8 peers, else the fastest of ours."""
+    """The row of ours a peer is compared with: ours int8 for int8 peers, else the fastest of ours (the
+    search's 1-best; the n-best and sampling rows are compared with it too)."""
     if "int8" in name:
         return next(r for r in rows if r["decoder"] == "ours int8")
-    return max(
-        (r for r in rows if r["decoder"].startswith("ours") and "int8" not in r["decoder"]),
-        key=lambda r: r["tokens_per_s"],
-    )
+    plain = (r for r in rows if r["decoder"].startswith("ours") and "int8" not in r["decoder"])
+    return max((r for r in plain if r["decoder"] not in POLICIES), key=lambda r: r["tokens_per_s"])
 
 
 def hf_decoder(model: nn.Module, new_tokens: int) -> Callable[[Tensor, int], int]:
@@ -113,6 +115,9 @@ def build_decoders(
     bf16 models on CUDA, as translate.py runs them."""
     cuda = setup.device.type == "cuda"
     decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens, kernels))}
+    # the search's other policies, beam 4 only (translate.py nbest=4; sampling=true nbest=4 topk=50)
+    decoders[POLICIES[0]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, nbest=4))
+    decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, sampling=Sampling(topk=50)))
     if not cuda:  # translate.py precision=int8: a copy of the weights in 8 bits (section_decode packs them)
         int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.for_device(setup.device))
         decoders["ours int8"] = ("ours", int8)
@@ -207,8 +212,9 @@ def section_decode(
             if name in decoders:
                 run = decoders[name][1]
                 packed.enter_context(run.products.prepacked(search_weights(run.model, int8), int8))
+        greedy = {name: decoder for name, decoder in decoders.items() if name not in POLICIES}
         with torch.inference_mode(), packed:
             return {
                 "beam4": bench_decode_mode(decoders, 4, args.beam_sentences, cfg, setup, args, notes),
-                "greedy": bench_decode_mode(decoders, 1, args.greedy_sentences, cfg, setup, args, notes),
+                "greedy": bench_decode_mode(greedy, 1, args.greedy_sentences, cfg, setup, args, notes),
             }

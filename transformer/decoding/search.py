@@ -19,6 +19,12 @@ possible". The details it leaves open follow tensor2tensor, the paper's own code
 - Early stop: a sentence is done once its best finished score beats every score a live hypothesis
   could still reach. Log-probabilities only fall as a hypothesis grows, and lp grows with length, so
   a live raw score s <= 0 can reach at most s / lp(L) (tensor2tensor's bound); with alpha = 0 that is s.
+  With an n-best list (`nbest` <= k) the n-th best finished score must beat it.
+
+Policies of the same loop: `nbest` keeps the n best finished hypotheses with every token's
+log-probability; an `Ensemble` decodes with the weighted average of its models' probabilities, each
+model with its own cache; `Sampling` draws `nbest` independent samples per sentence instead of
+searching (each row extends itself, ending at EOS or the limit).
 
 One loop, two ways to run it (`static`): by default done sentences leave the batch, so the others
 decode faster; with `static=True` every step has the same shapes and memory and reads nothing on the
@@ -41,20 +47,54 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformer.decoding.cache import DecoderCache
+from transformer.decoding.scoring import (
+    NEG_INF,
+    Ensemble,
+    Linear,
+    Sampling,
+    best_next_tokens,
+    members,
+    next_log_probs,
+    sample_keys,
+    sample_tokens,
+    uniform_draws,
+    vocab_chunks,
+)
 from transformer.model import Transformer
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.vocab import BOS_ID, EOS_ID
 
-NEG_INF = float("-inf")
-Linear = Callable[[Tensor, Tensor], Tensor]  # x (R, d), W (V', d) -> x W^T: F.linear, or kernels.Products
-VOCAB_CHUNK = 8192  # vocabulary entries projected at once on a CPU while choosing the next tokens
+
+@dataclass
+class Hypothesis:
+    """One output: its pieces (no BOS, no EOS), its score log P(Y|X) / lp(Y) (a beam of 1 without
+    penalty, and sampling with alpha 0: log P(Y|X)), and the natural-log probability of each generated
+    token, the final EOS included when it ended in one."""
+
+    tokens: list[int]
+    score: float
+    token_log_probs: list[float]
+
+    @property
+    def log_prob(self) -> float:
+        """log P(Y|X): the sum of `token_log_probs`."""
+        return sum(self.token_log_probs)
 
 
 @dataclass
 class SearchResult:
-    """One hypothesis per source sentence, in the order of the batch."""
+    """Per source sentence, in the order of the batch, its best hypotheses (best first)."""
 
-    tokens: list[list[int]]  # piece ids, without BOS and EOS
-    scores: Tensor  # (B,) float32: log P(Y|X) / lp(Y) (a beam of 1 without penalty: log P(Y|X))
+    hypotheses: list[list[Hypothesis]]
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """The best hypothesis of each sentence."""
+        return [h[0].tokens for h in self.hypotheses]
+
+    @property
+    def scores(self) -> Tensor:
+        """(B,) float32 scores of the best hypotheses."""
+        return torch.tensor([h[0].score for h in self.hypotheses], dtype=torch.float32)
 
 
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
@@ -77,17 +117,8 @@ def max_output_lengths(src_mask: Tensor, max_len_a: float, max_len_b: int, max_p
     return lengths.clamp(min=1, max=max_positions)
 
 
-def vocab_chunks(vocab: int, device: torch.device) -> list[tuple[int, int]]:
-    """[start, end) of about VOCAB_CHUNK entries each on a CPU (each chunk's logits used while they are
-    still in cache), the whole vocabulary elsewhere."""
-    if device.type != "cpu":
-        return [(0, vocab)]
-    size = -(-vocab // -(-vocab // VOCAB_CHUNK))
-    return [(start, min(start + size, vocab)) for start in range(0, vocab, size)]
-
-
 def search_weights(model: Transformer, int8: bool = False) -> list[Tensor | tuple[Tensor, Tensor | None]]:
-    """The weights `kernels.prepacked` packs once for a search: the decoder's linear maps (multiplied
+    """The weights `Products.prepacked` packs once for a search: the decoder's linear maps (multiplied
     by at every step) and the output projection's chunks; with `int8`, every linear map's (the
     encoder's too) as (weight, bias), for the 8-bit products."""
     vocab = model.embed.weight
@@ -99,60 +130,91 @@ def search_weights(model: Transformer, int8: bool = False) -> list[Tensor | tupl
 
 @dataclass
 class _Beams:
-    """N sentences x k beams; rows of N x k are sentence-major, L is the longest output limit."""
+    """N sentences x k rows (beams, or samples); rows of N x k are sentence-major, L is the longest
+    output limit, n the hypotheses kept per sentence."""
 
     ids: Tensor  # (N,) each sentence's position in the batch
+    keys: Tensor  # (N * k,) int64 the rows' keys of sampling's draws
     max_len: Tensor  # (N,) its output limit L_n
     lp_max: Tensor  # (N,) float32 lp(L_n): the early-stop bound's divisor
     last: Tensor  # (N * k, 1) the last token of each live hypothesis
     tokens: Tensor  # (N * k, L) the live hypotheses' tokens (the first step - 1 are valid)
+    token_scores: Tensor  # (N * k, L) float32 their tokens' log-probabilities
     scores: Tensor  # (N, k) float32 log P of each live hypothesis
-    best: Tensor  # (N,) float32 normalized score of the best finished hypothesis
-    best_tokens: Tensor  # (N, L) its tokens, the first best_len valid
-    best_len: Tensor  # (N,) its length, EOS excluded
+    best: Tensor  # (N, n) float32 normalized scores of the n best finished hypotheses, best first
+    best_tokens: Tensor  # (N, n, L) their tokens, the first best_len valid
+    best_token_scores: Tensor  # (N, n, L) float32 their tokens' log-probabilities (EOS's too)
+    best_len: Tensor  # (N, n) their lengths, EOS excluded
+    best_eos: Tensor  # (N, n) bool: ended in EOS (else cut at the limit)
     done: Tensor  # (N,) bool: the sentence's result is final
     reorder: Tensor  # (N * k,) the row each row of the last step extends (the cache's reorder)
 
     @classmethod
-    def start(cls, src: Tensor, max_len: Tensor, k: int, alpha: float, limit: int) -> _Beams:
-        """One live hypothesis per sentence, [BOS]; the other k - 1 beams impossible until step 1."""
+    def start(
+        cls, src: Tensor, max_len: Tensor, k: int, n: int, alpha: float, limit: int, keys: Tensor
+    ) -> _Beams:
+        """One live hypothesis per sentence, [BOS], and the other k - 1 rows impossible until step 1 (a
+        search); or all k rows live (`keys` given: sampling)."""
         b, device = src.size(0), src.device
         scores = torch.full((b, k), NEG_INF, device=device)
         scores[:, 0] = 0.0
+        if keys.numel():
+            scores.fill_(0.0)
         return cls(
             ids=torch.arange(b, device=device),
+            keys=keys if keys.numel() else torch.zeros(b * k, dtype=torch.long, device=device),
             max_len=max_len,
             lp_max=length_penalty(max_len, alpha),
             last=src.new_full((b * k, 1), BOS_ID),
             tokens=src.new_zeros(b * k, limit),
+            token_scores=torch.zeros(b * k, limit, device=device),
             scores=scores,
-            best=torch.full((b,), NEG_INF, device=device),
-            best_tokens=src.new_zeros(b, limit),
-            best_len=src.new_zeros(b),
+            best=torch.full((b, n), NEG_INF, device=device),
+            best_tokens=src.new_zeros(b, n, limit),
+            best_token_scores=torch.zeros(b, n, limit, device=device),
+            best_len=src.new_zeros(b, n),
+            best_eos=torch.zeros(b, n, dtype=torch.bool, device=device),
             done=torch.zeros(b, dtype=torch.bool, device=device),
             reorder=torch.arange(b * k, device=device),
         )
 
-    def extend(self, reorder: Tensor, new_token: Tensor, step: Tensor) -> None:
-        """Row i becomes row reorder[i] (N * k,) extended by new_token[i] (N * k, 1) at `step`, in place."""
+    def extend(self, reorder: Tensor, new_token: Tensor, token_score: Tensor, step: Tensor) -> None:
+        """Row i becomes row reorder[i] (N * k,) extended by new_token[i] (N * k, 1), whose log-probability
+        is token_score[i] (N * k,), at `step`, in place."""
+        at = (step - 1).view(1)
         tokens = self.tokens.index_select(0, reorder)  # (N * k, L)
-        tokens.index_copy_(1, (step - 1).view(1), new_token)
+        tokens.index_copy_(1, at, new_token)
         self.tokens.copy_(tokens)
+        token_scores = self.token_scores.index_select(0, reorder)  # (N * k, L)
+        token_scores.index_copy_(1, at, token_score[:, None])
+        self.token_scores.copy_(token_scores)
         self.last.copy_(new_token)
         self.reorder.copy_(reorder)
 
-    def finish(self, scores: Tensor, tokens: Tensor, length: Tensor) -> None:
-        """Make (scores (N,), tokens (N, L) of `length` ()) the best finished hypotheses where they beat
-        the old ones, except in sentences already done."""
-        better = (scores > self.best) & ~self.done  # (N,)
-        self.best_tokens.copy_(torch.where(better[:, None], tokens, self.best_tokens))
-        self.best_len.copy_(torch.where(better, length, self.best_len))
-        self.best.copy_(torch.where(better, scores, self.best))
+    def finish(self, scores: Tensor, rows: Tensor, length: Tensor, eos_score: Tensor | None = None) -> None:
+        """Make the live hypotheses `rows` (N,), scored scores (N,) and `length` () long, ending in EOS
+        with log-probability eos_score (N,) unless None, finished ones of their sentences where they
+        are among the n best, except in sentences already done."""
+        n, at = self.best.size(1), length.view(1)
+        tokens, token_scores = self.tokens[rows], self.token_scores[rows]  # (N, L) twice
+        if eos_score is not None:
+            token_scores = token_scores.index_copy(1, at, eos_score[:, None])
+        candidates = torch.cat([self.best, torch.where(self.done, NEG_INF, scores)[:, None]], dim=1)
+        keep = candidates.argsort(dim=1, descending=True, stable=True)[:, :n]  # (N, n): older first on ties
+        self.best.copy_(candidates.gather(1, keep))
+        lengths = torch.cat([self.best_len, length.expand(rows.size(0))[:, None]], 1)  # (N, n + 1)
+        self.best_len.copy_(lengths.gather(1, keep))
+        ended = torch.full_like(self.best_eos[:, :1], eos_score is not None)  # (N, 1)
+        self.best_eos.copy_(torch.cat([self.best_eos, ended], 1).gather(1, keep))
+        width = keep[:, :, None].expand(-1, -1, tokens.size(1))  # (N, n, L)
+        self.best_tokens.copy_(torch.cat([self.best_tokens, tokens[:, None]], 1).gather(1, width))
+        all_scores = torch.cat([self.best_token_scores, token_scores[:, None]], 1)  # (N, n + 1, L)
+        self.best_token_scores.copy_(all_scores.gather(1, width))
 
     def keep(self, sentences: Tensor, k: int) -> _Beams:
         """Only `sentences` (n,) stay, with their rows (n * k,)."""
         rows = (sentences[:, None] * k + torch.arange(k, device=sentences.device)).view(-1)  # (n * k,)
-        per_row = ("last", "tokens", "reorder")
+        per_row = ("keys", "last", "tokens", "token_scores", "reorder")
         kept = {f.name: getattr(self, f.name)[rows if f.name in per_row else sentences] for f in fields(self)}
         return _Beams(**kept)
 
@@ -163,7 +225,7 @@ class BeamSearch:
 
     def __init__(
         self,
-        model: Transformer,
+        model: Transformer | Ensemble,
         src: Tensor,
         beam_size: int,
         alpha: float,
@@ -171,43 +233,100 @@ class BeamSearch:
         min_len: int,
         static: bool,
         linear: Linear,
+        nbest: int = 1,
+        sampling: Sampling | None = None,
+        sentence_ids: Tensor | None = None,
     ) -> None:
-        """src (B, S): rows of pieces + [EOS], padded with PAD_ID; max_len (a, b): L = a |X| + b."""
+        """src (B, S): rows of pieces + [EOS], padded with PAD_ID; max_len (a, b): L = a |X| + b;
+        sampling: draw beam_size samples per sentence instead; sentence_ids (B,): the sentences' numbers
+        in the whole input, which fix their samples' draws (default: their rows)."""
+        nbest = beam_size if sampling is not None else nbest  # every sample is kept
+        if not 1 <= nbest <= beam_size:
+            raise ValueError(f"nbest={nbest} must be between 1 and the beam size {beam_size}")
         self.model, self.k, self.alpha, self.min_len, self.static = model, beam_size, alpha, min_len, static
-        self.linear = linear
+        self.linear, self.sampling = linear, sampling
+        self.models = members(model)
         b = src.size(0)
-        src_mask = source_mask(model, src)  # (B, S)
-        memory = model.encode(src, src_mask)  # (B, S, d_model)
-        limits = max_output_lengths(src_mask, *max_len, model.cfg.max_positions)  # (B,)
+        src_mask = source_mask(self.models[0], src)  # (B, S)
+        limits = max_output_lengths(src_mask, *max_len, self.models[0].cfg.max_positions)  # (B,)
         limit = int(limits.max())
-        self.cache = DecoderCache(model, memory, src_mask, b * beam_size, limit, static)
-        self.beams = _Beams.start(src, limits, beam_size, alpha, limit)
+        self.caches = [
+            DecoderCache(m, m.encode(src, src_mask), src_mask, b * beam_size, limit, static)
+            for m in self.models
+        ]
+        keys = torch.zeros(0, dtype=torch.long, device=src.device)
+        if sampling is not None:
+            ids = torch.arange(b, device=src.device) if sentence_ids is None else sentence_ids.to(src.device)
+            keys = sample_keys(sampling.seed, ids, beam_size)
+        self.beams = _Beams.start(src, limits, beam_size, nbest, alpha, limit, keys)
         self.results = _Results(b)
+
+    @property
+    def position(self) -> Tensor:
+        """() long: the output positions decoded so far."""
+        return self.caches[0].position
 
     def step(self) -> None:
         """Extend every live hypothesis by one token, in place; finish those ending in EOS and those at
         their limit; mark the sentences that are done. Reads nothing on the host."""
-        beams, cache, k = self.beams, self.cache, self.k
-        step = cache.position + 1  # () long: the output position chosen now, 1-based
-        states = self.model.decode(beams.last, cache=cache)[:, -1]  # (N * k, d_model)
-        log_probs, next_tokens = best_next_tokens(  # (N * k, 2k) twice
-            states, self.model.embed.weight, step, self.min_len, 2 * k, self.linear
-        )
+        beams, k = self.beams, self.k
+        step = self.position + 1  # () long: the output position chosen now, 1-based
+        # each model's final decoder states (N * k, d_model)
+        states = [m.decode(beams.last, cache=c)[:, -1] for m, c in zip(self.models, self.caches)]
         penalty = length_penalty(step.double(), self.alpha).float()  # () float32
-        live_scores, reorder, new_token, eos_best, eos_row = rank_extensions(
-            beams.scores, log_probs, next_tokens, k, penalty
-        )
-        beams.finish(eos_best, beams.tokens[eos_row], step - 1)  # EOS itself is not output
-        beams.extend(reorder, new_token, step)
+        if self.sampling is None:
+            live_scores, reorder = self._search(states, step, penalty)
+        else:
+            live_scores, reorder = self._sample(states, step, penalty)
         n = beams.scores.size(0)
-        cut = torch.where(beams.max_len[:, None] == step, live_scores / penalty, NEG_INF)  # (N, k): at L_n
-        cut_best, cut_pick = cut.max(dim=1)  # (N,)
-        beams.finish(cut_best, beams.tokens[torch.arange(n, device=cut.device) * k + cut_pick], step)
-        # Done: at the length limit, or no live hypothesis can still beat the best finished one.
-        beams.done |= (beams.best >= live_scores.max(dim=1).values / beams.lp_max) | (beams.max_len == step)
+        at_limit = beams.max_len[:, None] == step  # (N, 1)
+        cut = torch.where(at_limit, live_scores / penalty, NEG_INF)  # (N, k): finished as they stand
+        cut_scores, cut_pick = cut.topk(beams.best.size(1), dim=1)  # (N, n), best first
+        for j in range(cut_pick.size(1)):
+            beams.finish(cut_scores[:, j], torch.arange(n, device=cut.device) * k + cut_pick[:, j], step)
+        # Done: at the length limit, or no live hypothesis can still beat the n-th best finished one.
+        beams.done |= (beams.best[:, -1] >= live_scores.max(dim=1).values / beams.lp_max) | at_limit[:, 0]
         beams.scores.copy_(live_scores)
-        if self.static and k > 1:  # a beam of 1 extends its own row
-            cache.reorder(reorder)
+        if self.static and k > 1 and self.sampling is None:  # a beam of 1 and samples extend their own rows
+            for cache in self.caches:
+                cache.reorder(reorder)
+
+    def _search(self, states: list[Tensor], step: Tensor, penalty: Tensor) -> tuple[Tensor, Tensor]:
+        """Beam search's step: rank the extensions, finish the EOS endings among the k best, extend the
+        k best others. Returns the new live scores (N, k) and the row each row extends (N * k,)."""
+        beams, k = self.beams, self.k
+        if len(self.models) == 1:
+            weight = self.models[0].embed.weight
+            chosen = best_next_tokens(states[0], weight, step, self.min_len, 2 * k, self.linear)
+        else:
+            log_probs = next_log_probs(states, self.model, step, self.min_len, self.linear)  # (N * k, V)
+            chosen = log_probs.topk(min(2 * k, log_probs.size(-1)))
+        ranked = rank_extensions(beams.scores, *chosen, k, penalty)  # of the 2k best next tokens per row
+        live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores = ranked
+        for j in range(beams.best.size(1)):  # the n best EOS endings, best first (EOS itself is not output)
+            beams.finish(eos_scores[:, j], eos_rows[:, j], step - 1, eos_token_scores[:, j])
+        beams.extend(reorder, new_token, new_score, step)
+        return live_scores, reorder
+
+    def _sample(self, states: list[Tensor], step: Tensor, penalty: Tensor) -> tuple[Tensor, Tensor]:
+        """Sampling's step: each live row draws its next token; one drawing EOS is finished, the others
+        extend. Returns the new live scores (N, k) (-inf for rows finished) and the identity reorder."""
+        beams = self.beams
+        log_probs = next_log_probs(states, self.model, step, self.min_len, self.linear)  # (N * k, V)
+        token = sample_tokens(log_probs, self.sampling, uniform_draws(beams.keys, step))  # (N * k, 1)
+        token_score = log_probs.gather(1, token).squeeze(1)  # (N * k,)
+        live = beams.scores.view(-1) + token_score  # (N * k,) -inf stays -inf
+        ended = (token.squeeze(1) == EOS_ID).view(beams.scores.shape)  # (N, k)
+        n = beams.scores.size(0)
+        ending = torch.where(ended, live.view(n, -1) / penalty, NEG_INF)  # (N, k)
+        order = ending.argsort(dim=1, descending=True)  # each row ends once: every ending is kept
+        for j in range(self.k):
+            pick = order[:, j]
+            rows = torch.arange(n, device=pick.device) * self.k + pick
+            beams.finish(ending.gather(1, pick[:, None]).squeeze(1), rows, step - 1, token_score[rows])
+        identity = torch.arange(live.size(0), device=live.device)
+        beams.extend(identity, token, token_score, step)
+        return live.view(n, -1).masked_fill(ended, NEG_INF), identity
 
     def done(self) -> bool:
         """Whether every sentence is done (a read from the device)."""
@@ -215,33 +334,32 @@ class BeamSearch:
 
     def leave(self) -> bool:
         """The dynamic layout after a step: done sentences leave the batch (their results stored) and
-        the cache follows the hypotheses; False once every sentence is done."""
+        the caches follow the hypotheses; False once every sentence is done."""
         beams, k = self.beams, self.k
-        if bool(beams.done.any()):
-            done = beams.done
-            self.results.store(
-                beams.ids[done], beams.best_tokens[done], beams.best_len[done], beams.best[done]
-            )
-            if bool(beams.done.all()):
+        done = beams.done
+        if bool(done.any()):
+            self.results.store(beams, done)
+            if bool(done.all()):
                 self.beams = None
                 return False
             sentences = (~done).nonzero().squeeze(1)
             self.beams = beams.keep(sentences, k)
-            self.cache.reorder(self.beams.reorder, sentences)
-        elif k > 1:
-            self.cache.reorder(beams.reorder)
+            for cache in self.caches:
+                cache.reorder(self.beams.reorder, sentences)
+        elif k > 1 and self.sampling is None:
+            for cache in self.caches:
+                cache.reorder(beams.reorder)
         return True
 
     def result(self) -> SearchResult:
-        beams = self.beams
-        if beams is not None:
-            self.results.store(beams.ids, beams.best_tokens, beams.best_len, beams.best)
+        if self.beams is not None:
+            self.results.store(self.beams, torch.ones_like(self.beams.done))
         return self.results.result()
 
 
 @torch.inference_mode()
 def beam_search(
-    model: Transformer,
+    model: Transformer | Ensemble,
     src: Tensor,
     beam_size: int = 4,
     alpha: float = 0.6,
@@ -251,12 +369,18 @@ def beam_search(
     static: bool = False,
     graphs: bool | None = None,
     linear: Linear = F.linear,
+    nbest: int = 1,
+    sampling: Sampling | None = None,
+    sentence_ids: Tensor | None = None,
 ) -> SearchResult:
     """Beam search with the GNMT length penalty (§6.1), batched over the sentences of src (B, S): rows
-    of pieces + [EOS], padded with PAD_ID. EOS is held back through step `min_len` (benchmarks that
-    force an output length). `static`: in static shapes; `graphs` (default: on CUDA) with every step
-    after the first a CUDA graph replay. `linear` makes the output projection (`kernels.Products`)."""
-    search = BeamSearch(model, src, beam_size, alpha, (max_len_a, max_len_b), min_len, static, linear)
+    of pieces + [EOS], padded with PAD_ID; the `nbest` best hypotheses per sentence. EOS is held back
+    through step `min_len` (benchmarks that force an output length). `static`: in static shapes;
+    `graphs` (default: on CUDA) with every step after the first a CUDA graph replay. `linear` makes the
+    output projection (`kernels.Products`). `sampling`: beam_size samples instead (`BeamSearch`)."""
+    options = dict(nbest=nbest, sampling=sampling, sentence_ids=sentence_ids)
+    limits = (max_len_a, max_len_b)
+    search = BeamSearch(model, src, beam_size, alpha, limits, min_len, static, linear, **options)
     graphs = (static and src.is_cuda) if graphs is None else graphs
     if graphs and not (static and src.is_cuda):
         raise ValueError("CUDA graphs need static=True and the model and src on a CUDA device")
@@ -276,55 +400,28 @@ def beam_search(
     return search.result()
 
 
-def greedy_search(model: Transformer, src: Tensor, **options: Any) -> SearchResult:
+def greedy_search(model: Transformer | Ensemble, src: Tensor, **options: Any) -> SearchResult:
     """The most probable next token at every step: `beam_search` with a beam of 1 and no length penalty
     (its scores are log P(Y|X)); `options`: max_len_a, max_len_b, min_len, static, linear."""
     return beam_search(model, src, beam_size=1, alpha=0.0, **options)
 
 
-def best_next_tokens(
-    states: Tensor, weight: Tensor, step: Tensor, min_len: int, n: int, linear: Linear = F.linear
-) -> tuple[Tensor, Tensor]:
-    """The n most probable next tokens after each final decoder state of states (R, d_model), projected
-    by the output matrix weight (V, d_model), and their float32 log P(y_step | y_<step, X). PAD and BOS
-    are never generated; EOS is held back while step <= min_len. The vocabulary is projected a chunk at
-    a time on a CPU (`vocab_chunks`): no (R, V) tensor is made at each step there."""
-    chunks = vocab_chunks(weight.size(0), weight.device)
-    lses, values, indices = [], [], []
-    for start, end in chunks:
-        logits = linear(states, weight[start:end])  # (R, c)
-        log_probs = logits.log_softmax(dim=-1, dtype=torch.float32)  # (R, c), normalized within the chunk
-        if start == 0:
-            log_probs[:, PAD_ID].fill_(NEG_INF)  # fills: no tensor made from host data (CUDA graphs)
-            log_probs[:, BOS_ID].fill_(NEG_INF)
-            log_probs[:, EOS_ID].masked_fill_(step <= min_len, NEG_INF)
-        top, index = log_probs.topk(min(n, end - start), dim=-1)  # (R, n), best first
-        if len(chunks) == 1:
-            return top, index
-        # the chunk's log-sum-exp, from its best entry (finite even where PAD and BOS are among the n)
-        lse = logits.gather(1, index[:, :1]).float() - top[:, :1]  # (R, 1)
-        lses.append(lse)
-        values.append(top + lse)  # (R, n) their logits, in float32
-        indices.append(index + start)
-    lse = torch.cat(lses, dim=1).logsumexp(dim=1, keepdim=True)  # (R, 1) over the whole vocabulary
-    candidates = torch.cat(values, dim=1)  # (R, chunks * n)
-    best, pick = candidates.topk(min(n, candidates.size(1)), dim=-1)  # (R, n), best first
-    return best - lse, torch.cat(indices, dim=1).gather(1, pick)
-
-
 def rank_extensions(
     scores: Tensor, log_probs: Tensor, next_tokens: Tensor, k: int, penalty: float | Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """One step's choice among the extensions of N sentences' k live hypotheses.
 
     scores (N, k) float32 log P of the live hypotheses; log_probs, next_tokens (N * k, m): the m best
     next tokens of each; penalty: lp(step). Of each sentence's 2k best extensions, the k best not
     ending in EOS live on, and an EOS among the k best finishes its hypothesis. Returns the new live
-    scores (N, k), the old row each new row extends (N * k,), its new token (N * k, 1), and per
-    sentence the best EOS ending's normalized score (N,) (-inf if none) and the row it ends (N,).
+    scores (N, k), the old row each new row extends (N * k,), its new token (N * k, 1) and that token's
+    log-probability (N * k,); and per sentence the EOS endings among the k best, best first: their
+    normalized scores (N, k) (-inf where fewer), the rows they end (N, k) and EOS's log-probability
+    (N, k).
     """
     n, k_in = scores.shape
     m = log_probs.size(-1)
+    token_scores = log_probs.view(n, k_in * m)
     candidates = (scores[:, :, None] + log_probs.view(n, k_in, m)).view(n, k_in * m)
     if candidates.size(1) < 2 * k:  # fewer candidates than asked for: pad with impossible ones
         candidates = F.pad(candidates, (0, 2 * k - candidates.size(1)), value=NEG_INF)
@@ -332,31 +429,47 @@ def rank_extensions(
     top_index = top_index.clamp(max=k_in * m - 1)  # padding -> any real candidate (its score stays -inf)
     top_row = torch.arange(n, device=top_index.device)[:, None] * k_in + top_index // m  # (N, 2k) old row
     top_token = next_tokens.view(n, k_in * m).gather(1, top_index)  # (N, 2k)
+    top_token_score = token_scores.gather(1, top_index)  # (N, 2k)
     is_eos = top_token == EOS_ID
     # k new live hypotheses: the best candidates that do not end in EOS (at most k of 2k do).
     live_scores, pick = top_scores.masked_fill(is_eos, NEG_INF).topk(k, dim=1)  # (N, k)
     reorder = top_row.gather(1, pick).view(-1)  # (N * k,)
     new_token = top_token.gather(1, pick).view(-1, 1)  # (N * k, 1)
-    eos_best, eos_pick = (torch.where(is_eos[:, :k], top_scores[:, :k], NEG_INF) / penalty).max(dim=1)  # (N,)
-    eos_row = top_row[:, :k].gather(1, eos_pick[:, None]).squeeze(1)  # (N,)
-    return live_scores, reorder, new_token, eos_best, eos_row
+    new_score = top_token_score.gather(1, pick).view(-1)  # (N * k,)
+    eos_scores, eos_pick = (torch.where(is_eos[:, :k], top_scores[:, :k], NEG_INF) / penalty).sort(
+        dim=1, descending=True, stable=True
+    )  # (N, k)
+    eos_rows = top_row[:, :k].gather(1, eos_pick)  # (N, k)
+    eos_token_scores = top_token_score[:, :k].gather(1, eos_pick)  # (N, k)
+    return live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores
 
 
 class _Results:
-    """The finished hypothesis of every sentence of the batch, filled as sentences finish."""
+    """The finished hypotheses of every sentence of the batch, filled as sentences finish."""
 
     def __init__(self, batch_size: int) -> None:
-        self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
-        self.scores = torch.full((batch_size,), NEG_INF)
+        self.hypotheses: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
 
-    def store(self, ids: Tensor, tokens: Tensor, lengths: Tensor, scores: Tensor) -> None:
-        """ids (n,) positions in the batch; tokens (n, L) with the first `lengths` valid."""
-        for i, row, n, score in zip(ids.tolist(), tokens.tolist(), lengths.tolist(), scores.tolist()):
-            self.tokens[i] = row[:n]
-            self.scores[i] = score
+    def store(self, beams: _Beams, which: Tensor) -> None:
+        """The n best of the sentences `which` (N,) bool of `beams`, those that were found at all."""
+        rows = zip(
+            beams.ids[which].tolist(),
+            beams.best[which].tolist(),
+            beams.best_len[which].tolist(),
+            beams.best_eos[which].tolist(),
+            beams.best_tokens[which].tolist(),
+            beams.best_token_scores[which].tolist(),
+        )
+        for i, scores, lengths, ended, tokens, token_scores in rows:
+            found = [
+                Hypothesis(t[:length], score, s[: length + eos])  # with EOS's log-probability
+                for score, length, eos, t, s in zip(scores, lengths, ended, tokens, token_scores)
+                if score > NEG_INF
+            ]
+            self.hypotheses[i] = found or [Hypothesis([], NEG_INF, [])]
 
     def result(self) -> SearchResult:
-        return SearchResult(self.tokens, self.scores)
+        return SearchResult(self.hypotheses)
 
 
 def _graphed(step: Callable[[], None]) -> Callable[[], None]:

@@ -6,6 +6,7 @@ validate, save and stop), `monitor` (what it logs)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,11 @@ from transformer.checkpoint import (
     set_aside_newer,
 )
 from transformer.config import ConfigError, TrainConfig, TrainerConfig
+from transformer.training.bleu import ValidText, load_valid_text, valid_bleu
 from transformer.training.corpus import batches_forever, load_corpus
-from transformer.training.distributed import init_runtime, shutdown
+from transformer.training.distributed import all_reduce_sum, init_runtime, shutdown
 from transformer.training.monitor import Monitor, bf16_peak_flops
-from transformer.training.policy import Policy
+from transformer.training.policy import Decision, Policy
 from transformer.training.state import Run, start_run
 from transformer.training.step import finish_step, queue_step, validate
 
@@ -54,6 +56,8 @@ def train(cfg: TrainConfig) -> Path:
         _log_start(run, accum)
         batches = batches_forever(corpus.sampler, corpus.train, trainer.pad_to_multiple, runtime.device)
         validated = objective.module if runtime.distributed else objective  # no gradient sync needed
+        text = load_valid_text(cfg) if trainer.bleu_every_steps and runtime.is_main else None
+        validation = _Validation(validated, corpus.valid, text)
         peak = bf16_peak_flops(runtime.device) if runtime.dtype == torch.bfloat16 else None
         steps = (run.step, trainer.max_steps)
         monitor = Monitor(
@@ -61,7 +65,7 @@ def train(cfg: TrainConfig) -> Path:
         )
         policy, micro = Policy(trainer, runtime), None
         with monitor, policy, logging_redirect_tqdm():
-            while run.step < trainer.max_steps:
+            while run.step < trainer.max_steps and not run.early_stopped:
                 micro = micro or [next(batches) for _ in range(accum)]
                 queued = queue_step(run, objective, micro, policy.requests())
                 consumed = run.sampler.state_dict()  # what a checkpoint of this step resumes from
@@ -72,10 +76,9 @@ def train(cfg: TrainConfig) -> Path:
                 decision = policy.after_step(run.step, stats, stop, save_due)
                 if stats["finite"]:
                     monitor.step(run.step, stats)
-                if decision.validate and corpus.valid is not None:
-                    monitor.valid(run.step, *validate(validated, corpus.valid, runtime))
-                if decision.save:
-                    run.save(consumed, decision.interim)
+                best = _validate(run, decision, validation, monitor)
+                if decision.save or best or run.early_stopped:  # the last checkpoint of an early stop
+                    run.save(consumed, decision.interim, decision.save or run.early_stopped, best)
                     policy.saved()
                 if decision.stop:
                     policy.stop(run.step)
@@ -83,6 +86,48 @@ def train(cfg: TrainConfig) -> Path:
         return run_dir
     finally:
         shutdown(runtime)
+
+
+@dataclass
+class _Validation:
+    """What validations need: the objective, this rank's valid batches (loss), the valid text (BLEU,
+    rank 0)."""
+
+    objective: torch.nn.Module
+    batches: list | None
+    text: ValidText | None
+
+
+def _validate(run: Run, decision: Decision, validation: _Validation, monitor: Monitor) -> bool:
+    """The step's validations, logged; whether the best metric's was the best so far (checkpoint_best.pt
+    is due). Sets run.early_stopped once trainer.patience validations in a row did not improve."""
+    value = None
+    if decision.validate and validation.batches is not None:
+        loss, nll = validate(validation.objective, validation.batches, run.runtime)
+        monitor.valid(run.step, loss, nll)
+        value = loss if run.best.metric == "loss" else value
+    if decision.bleu:
+        scores = valid_bleu(run, validation.text) if run.runtime.is_main else {"bleu": 0.0, "sacrebleu": 0.0}
+        scores = dict(zip(scores, all_reduce_sum(list(scores.values()), run.runtime)))  # rank 0's, everywhere
+        monitor.bleu(run.step, scores)
+        value = scores["bleu"] if run.best.metric == "bleu" else value
+    if value is None:
+        return False
+    best = run.best.update(run.step, value)
+    patience = run.cfg.trainer.patience
+    if patience and run.best.since >= patience:
+        run.early_stopped = True
+        log.warning(
+            "step %d: %d validations without a better %s than step %d's %.4g (trainer.patience=%d): "
+            "training stops here",
+            run.step,
+            run.best.since,
+            run.best.metric,
+            run.best.step,
+            run.best.value,
+            patience,
+        )
+    return best
 
 
 def _check_resume_setting(trainer: TrainerConfig, run_dir: Path) -> None:

@@ -152,6 +152,13 @@ class Monitor:
             self.writer.add_scalar("valid/ppl", math.exp(min(nll, 50.0)), step)
             log.info("step %d: valid loss %.4f, perplexity %.2f", step, loss, math.exp(min(nll, 50.0)))
 
+    def bleu(self, step: int, scores: dict[str, float]) -> None:
+        """BLEU on the valid split: the corpus's metric as valid/bleu, sacreBLEU beside it."""
+        if self.enabled:
+            for name, value in scores.items():
+                self.writer.add_scalar(f"valid/{name}", value, step)
+            log.info("step %d: valid BLEU %.2f (sacreBLEU %.2f)", step, scores["bleu"], scores["sacrebleu"])
+
     def close(self) -> None:
         if self.enabled:
             self.bar.close()

@@ -1,6 +1,10 @@
 """When the training loop validates, saves and stops.
 
-- validation: every `trainer.eval_every_steps` steps and after the last one;
+- validation: every `trainer.eval_every_steps` steps and after the last one; BLEU every
+  `trainer.bleu_every_steps` steps and after the last one;
+- the best checkpoint: `checkpoint_best.pt` after each validation of `trainer.best_metric` that beats
+  every earlier one (`Best`); `trainer.patience` validations in a row that do not improve stop the run
+  early, with a checkpoint, and the finish stage runs;
 - a checkpoint: every `trainer.save_every_steps` steps or `trainer.save_every_minutes` minutes, after
   the last step, and before a stop (an interim one, which the resumed run's next checkpoint replaces);
 - a stop: SIGTERM or Ctrl-C (on any rank) stops the run after the current step's checkpoint, with
@@ -42,9 +46,38 @@ class Decision:
     """What to do after a step."""
 
     validate: bool
+    bleu: bool
     save: bool
     interim: bool  # saved only for the stop: no save was due
     stop: bool
+
+
+@dataclass
+class Best:
+    """The best validation so far of `metric` ("loss": lower is better; "bleu": higher), its step, and
+    the validations since that did not beat it; a checkpoint saves and restores it."""
+
+    metric: str
+    value: float | None = None
+    step: int = 0
+    since: int = 0
+
+    def update(self, step: int, value: float) -> bool:
+        """Count a validation; whether it is the best so far."""
+        lower = self.metric == "loss"
+        if self.value is None or (value < self.value if lower else value > self.value):
+            self.value, self.step, self.since = value, step, 0
+            return True
+        self.since += 1
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "value": self.value, "step": self.step, "since": self.since}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's record; one of another metric (the run changed trainer.best_metric) starts anew."""
+        if state.get("metric") == self.metric:
+            self.value, self.step, self.since = state["value"], state["step"], state["since"]
 
 
 class Policy:
@@ -72,8 +105,10 @@ class Policy:
             self._skipped(step, stats)
         last, healthy = step == self.trainer.max_steps, self.nonfinite == 0
         due = save_due or last or (healthy and _every(self.trainer.save_every_steps, step))
+        bleu = self.trainer.bleu_every_steps > 0 and (_every(self.trainer.bleu_every_steps, step) or last)
         return Decision(
             validate=healthy and (_every(self.trainer.eval_every_steps, step) or last),
+            bleu=healthy and bleu,
             save=stop or due,
             interim=stop and not due,
             stop=stop,

@@ -16,12 +16,13 @@ from torch import nn
 from torch.optim import Adam
 from torch.optim.lr_scheduler import LambdaLR
 
-from transformer.checkpoint import FORMAT, list_checkpoints, save_numbered
+from transformer.checkpoint import FORMAT, list_checkpoints, save_best, save_numbered
 from transformer.config import ConfigError, OptimConfig, TrainConfig, to_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.model import Transformer
 from transformer.training.distributed import Runtime, gather_objects, wrap
 from transformer.training.loss import Seq2SeqLoss
+from transformer.training.policy import Best
 from transformer.training.schedule import make_scheduler
 
 log = logging.getLogger(__name__)
@@ -40,13 +41,18 @@ class Run:
     sampler: TokenBudgetBatchSampler
     meta: dict[str, Any]
     spm_model: bytes
+    best: Best  # the best validation so far (trainer.best_metric)
+    early_stopped: bool = False  # trainer.patience ran out
     step: int = 0
     interim: Path | None = None  # the interim checkpoint of this run it resumed from, replaced by the next
 
-    def save(self, data_state: dict[str, int], interim: bool = False) -> None:
+    def save(
+        self, data_state: dict[str, int], interim: bool = False, numbered: bool = True, best: bool = False
+    ) -> None:
         """Write a checkpoint (rank 0); every rank takes part, for its RNG state. data_state: the
         sampler's state after the batches of the steps taken (the loop reads ahead); interim: written
-        only because a signal stops the run."""
+        only because a signal stops the run; numbered: as checkpoint_<step>.pt; best: (also) as
+        checkpoint_best.pt."""
         rngs = gather_objects(rng_state(), self.runtime)
         if not self.runtime.is_main:
             return
@@ -63,10 +69,16 @@ class Run:
             "data_state": data_state,  # the ranks agree on (epoch, position)
             "rng": rngs,  # one entry per rank
             "interim": interim,
+            "best": self.best.state_dict(),
+            "early_stopped": self.early_stopped,
         }
-        path = save_numbered(ckpt, self.run_dir, self.cfg.trainer.keep_last, self.interim)
-        self.interim = None
-        log.info("step %d: saved %s", self.step, path)
+        path = None
+        if numbered:
+            path = save_numbered(ckpt, self.run_dir, self.cfg.trainer.keep_last, self.interim)
+            self.interim = None
+            log.info("step %d: saved %s", self.step, path)
+        if best:
+            log.info("step %d: saved %s", self.step, save_best(ckpt, self.run_dir, path))
 
     def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
         # the initialisation is the checkpoint's, whatever this run's model.init: its weights replace them
@@ -85,6 +97,8 @@ class Run:
         self._apply_optim_settings(ckpt.get("config", {}).get("optim", {}))
         self.sampler.load_state_dict(ckpt["data_state"])
         self.step = int(ckpt["step"])
+        self.best.load_state_dict(ckpt.get("best") or {})
+        self.early_stopped = bool(ckpt.get("early_stopped"))
         if ckpt.get("interim") and path.resolve() in {p.resolve() for p in list_checkpoints(self.run_dir)}:
             self.interim = path  # this run's own: never a file of another run directory
         rngs, rank = ckpt["rng"], self.runtime.rank
@@ -136,7 +150,8 @@ def start_run(
     optimizer = adam(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.model.d_model)
     run_dir = Path(cfg.trainer.run_dir)
-    return Run(cfg, runtime, run_dir, model, optimizer, scheduler, sampler, meta, spm), objective
+    best = Best(cfg.trainer.best_metric)
+    return Run(cfg, runtime, run_dir, model, optimizer, scheduler, sampler, meta, spm, best), objective
 
 
 def adam(model: nn.Module, cfg: OptimConfig) -> Adam:

@@ -1,0 +1,36 @@
+"""A local HTTP endpoint for translation, and at / the attention explorer.
+
+  python scripts/serve.py checkpoint=runs/demo/checkpoints/checkpoint_average_last5.pt port=8000
+  curl -s localhost:8000/translate -d '{"text": ["Today the dog sees the cat."], "nbest": 2}'
+
+POST /translate takes JSON ({"text": [...]} and the search settings of translate.py); GET /health;
+GET / the page. One model worker batches concurrent requests. It listens on 127.0.0.1 unless told
+otherwise (host=0.0.0.0); SIGTERM or Ctrl-C stop it.
+"""
+
+import logging
+import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from transformer.checkpoint import CheckpointError
+from transformer.cli import exit_with_error
+from transformer.config import ConfigError, ServeConfig, app_defaults, from_dict
+from transformer.serving.server import serve
+
+ConfigStore.instance().store(name="serve_defaults", node=app_defaults("serve"))  # every default
+
+
+@hydra.main(config_path="../configs", config_name="serve", version_base=None)
+def main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    try:
+        serve(from_dict(ServeConfig, OmegaConf.to_container(cfg, resolve=True)))
+    except (ConfigError, CheckpointError, OSError) as error:
+        exit_with_error(error)
+
+
+if __name__ == "__main__":
+    main()

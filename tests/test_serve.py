@@ -1,0 +1,169 @@
+"""scripts/serve.py, the local HTTP endpoint, started as a user starts it and spoken to with a real
+HTTP client on localhost: translations equal translate.py's, concurrent requests share one batch, bad
+requests get a 4xx with a message and the server keeps serving, SIGTERM stops it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from transformer.translation import Translator
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT = ROOT / "tests" / "data" / "checkpoint_2b99159.pt"  # a small trained toy model
+LINES = ["Today the dog sees the cat.", "The woman knows that the old man has seen the small bird."]
+
+
+class Running:
+    """A serve.py process and where it listens."""
+
+    def __init__(self, *overrides: str) -> None:
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "serve.py"),
+                f"checkpoint={CHECKPOINT}",
+                "port=0",
+                *overrides,
+            ],
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        line = self.process.stderr.readline().decode()
+        found = re.search(r"on http://([\d.]+):(\d+)", line)
+        assert found, line + self.process.stderr.read().decode()
+        self.host, self.port = found.group(1), int(found.group(2))
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            payload = response.read()
+            kind = response.getheader("Content-Type", "")
+            return response.status, json.loads(payload) if kind.startswith("application/json") else payload
+        finally:
+            connection.close()
+
+    def translate(self, payload: dict):
+        return self.request(
+            "POST", "/translate", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+        )
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Running]:
+    running = Running(
+        "batch_wait_ms=1000", "max_lines=8", "max_chars=300", "max_body_bytes=20000", "device=cpu"
+    )
+    yield running
+    running.process.kill()
+
+
+def test_it_listens_on_localhost_and_translates_as_translate_does(server):
+    assert server.host == "127.0.0.1"
+    status, health = server.request("GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["step"] == 600
+    status, answer = server.translate({"text": LINES, "nbest": 2, "beam_size": 5})
+    assert status == 200
+    expected = Translator.from_checkpoint(CHECKPOINT, device="cpu", nbest=2, beam_size=5).translate_nbest(
+        LINES
+    )
+    for got, line, hypotheses in zip(answer["translations"], LINES, expected):
+        assert got["source"] == line
+        assert [h["text"] for h in got["hypotheses"]] == [h.text for h in hypotheses]
+        assert [h["score"] for h in got["hypotheses"]] == pytest.approx(
+            [h.score for h in hypotheses], abs=1e-5
+        )
+    status, one = server.translate({"text": LINES[0]})
+    beam4 = Translator.from_checkpoint(CHECKPOINT, device="cpu").translate(LINES[:1])
+    assert status == 200 and [one["translations"][0]["hypotheses"][0]["text"]] == beam4
+
+
+def test_two_concurrent_requests_share_one_batch(server):
+    answers, barrier = [None, None], threading.Barrier(2)
+
+    def ask(i: int) -> None:
+        barrier.wait()
+        answers[i] = server.translate({"text": [LINES[i]]})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    (s0, a0), (s1, a1) = answers
+    assert s0 == s1 == 200 and a0["batch"] == a1["batch"]
+    alone = Translator.from_checkpoint(CHECKPOINT, device="cpu").translate(LINES)
+    assert [
+        a0["translations"][0]["hypotheses"][0]["text"],
+        a1["translations"][0]["hypotheses"][0]["text"],
+    ] == alone
+    # other settings are not mixed into the batch: each gets its own search
+    answers = [None, None]
+
+    def ask_with(i: int, settings: dict) -> None:
+        barrier.wait()
+        answers[i] = server.translate({"text": [LINES[0]], **settings})
+
+    threads = [
+        threading.Thread(target=ask_with, args=(0, {})),
+        threading.Thread(target=ask_with, args=(1, {"beam_size": 1})),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert answers[0][1]["batch"] != answers[1][1]["batch"]
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{not json", 400, "the body is not JSON"),
+        (b"[1, 2]", 400, "the body must be a JSON object"),
+        (json.dumps({"text": 5}).encode(), 400, '"text" must be a string or a list of strings'),
+        (json.dumps({"text": ["a"], "beam_size": "4"}).encode(), 400, '"beam_size" must be a number'),
+        (json.dumps({"text": ["a"], "beam": 4}).encode(), 400, "unknown field(s) beam"),
+        (json.dumps({"text": ["a"], "nbest": 9}).encode(), 400, "nbest=9 must be at most beam_size=4"),
+        (json.dumps({"text": ["a"] * 9}).encode(), 413, "9 lines; a request takes at most 8"),
+        (json.dumps({"text": ["a" * 301]}).encode(), 413, "line 0 has 301 characters; at most 300"),
+        (b"\xff\xfe", 400, "the body is not JSON"),
+    ],
+)
+def test_a_bad_request_gets_a_4xx_with_a_message_and_the_server_goes_on(server, body, status, message):
+    got, answer = server.request("POST", "/translate", body, {"Content-Type": "application/json"})
+    assert got == status and message in answer["error"]
+    assert server.translate({"text": ["Today the dog sees the cat."]})[0] == 200
+
+
+def test_an_oversized_body_an_unknown_path_and_attention(server):
+    status, answer = server.request("POST", "/translate", b"x" * 20001, {"Content-Type": "application/json"})
+    assert status == 413 and "at most 20000" in answer["error"]
+    assert server.request("GET", "/nothing")[0] == 404 and server.request("POST", "/health", b"{}")[0] == 404
+    status, answer = server.translate({"text": LINES[0], "attention": True})
+    attention = answer["translations"][0]["hypotheses"][0]["attention"]
+    assert status == 200 and attention["layers"] == [0, 1] and attention["heads"] == 4
+    assert len(attention["cross"]) == 2 and len(attention["cross"][0]) == 4
+    rows = attention["cross"][1][0]  # (target pieces, source pieces) in thousandths
+    assert len(rows) == len(attention["target_pieces"]) and len(rows[0]) == len(attention["source_pieces"])
+    assert all(abs(sum(row) - 1000) <= len(row) for row in rows)  # each row a distribution
+    assert server.translate({"text": LINES[0], "attention": True, "attention_layer": 7})[0] == 400
+
+
+def test_sigterm_stops_it_cleanly():
+    running = Running("device=cpu")
+    assert running.request("GET", "/health")[0] == 200
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=30) == 0

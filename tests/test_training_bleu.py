@@ -1,0 +1,178 @@
+"""BLEU on the valid split while training, the best checkpoint and early stopping (trainer.bleu_every_steps,
+trainer.best_metric, trainer.patience), through the real train(cfg): a toy model trained for 600 steps
+(tests/data/checkpoint_2b99159.pt) resumed for 20 more, whose BLEU is not 0, and the tiny reversal
+corpus of test_training_run. BLEU equals scripts/evaluate.py's on the same checkpoint and changes no
+trained bit, the best checkpoint resumes, a resumed run keeps its best-so-far, patience stops the run
+and the finish stage runs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from test_old_checkpoints import _recorded_overrides
+from test_training_run import ENV, ROOT, compose_config, corpus, overrides, tensorboard_scalars  # noqa: F401
+
+from transformer.checkpoint import BEST, checkpoint_dir, load_checkpoint
+from transformer.config import ConfigError, EvaluateConfig, TrainConfig, TrainerConfig, from_dict
+from transformer.evaluation import evaluate_checkpoint
+from transformer.finish import finish
+from transformer.training import train
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+OLD = ROOT / "tests" / "data" / "checkpoint_2b99159.pt"  # a toy model trained for 600 steps
+BLEU = ["trainer.bleu_every_steps=5", "trainer.best_metric=bleu", "trainer.save_every_steps=5"]
+
+
+def toy(tmp: Path, run_dir: Path, *extra: str) -> TrainConfig:
+    """The old checkpoint's run (tests/test_old_checkpoints.py), resumed from it in run_dir."""
+    old = load_checkpoint(OLD)
+    settings = [f"{key}={value}" for key, value in _recorded_overrides(old["config"]).items()]
+    settings += [f"data.dir={tmp / 'data'}", f"trainer.run_dir={run_dir}", "trainer.eval_every_steps=0"]
+    settings += ["trainer.progress=false", "finish.average_last=0", "finish.beam_size=2", *extra]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = compose("train", overrides=["experiment=demo", *settings])
+    return from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
+
+
+def weights(run_dir: Path, step: int) -> dict:
+    return load_checkpoint(checkpoint_dir(run_dir) / f"checkpoint_{step}.pt")["model"]
+
+
+@pytest.fixture(scope="module")
+def with_bleu(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("toy")
+    run_dir = tmp / "with_bleu"
+    train(toy(tmp, run_dir, *BLEU, f"trainer.resume={OLD}", "trainer.max_steps=620"))
+    return run_dir
+
+
+def test_bleu_validation_changes_no_trained_bit(with_bleu, tmp_path):
+    shutil.copytree(with_bleu.parent / "data", tmp_path / "data")
+    train(
+        toy(
+            tmp_path,
+            tmp_path / "run",
+            "trainer.bleu_every_steps=0",  # (the demo's own is on)
+            "trainer.best_metric=loss",
+            "trainer.save_every_steps=5",
+            f"trainer.resume={OLD}",
+            "trainer.max_steps=620",
+        )
+    )
+    for name, tensor in weights(tmp_path / "run", 620).items():
+        assert torch.equal(tensor, weights(with_bleu, 620)[name]), name
+    assert not list(checkpoint_dir(tmp_path / "run").glob("valid_step*"))
+
+
+def test_valid_bleu_is_the_evaluation_scripts_and_its_hypotheses_are_kept(with_bleu):
+    logged = tensorboard_scalars(with_bleu, "valid/bleu")  # the paper's tokenized BLEU (toy: as WMT)
+    sacrebleu = tensorboard_scalars(with_bleu, "valid/sacrebleu")
+    assert len(logged) == len(sacrebleu) == 4 and max(logged) > 0 and min(sacrebleu) > 0  # steps 605 ... 620
+    data = toy(with_bleu.parent, with_bleu).data
+    for step, bleu, sacre in zip((605, 610, 615, 620), logged, sacrebleu):
+        hypotheses = (checkpoint_dir(with_bleu) / f"valid_step{step}.hyp.de").read_text().splitlines()
+        assert len(hypotheses) == 50  # the valid split's
+        checkpoint = checkpoint_dir(with_bleu) / f"checkpoint_{step}.pt"
+        evaluation = EvaluateConfig(
+            checkpoint=str(checkpoint), data=data, split="valid", beam_size=2, device="cpu"
+        )
+        result = evaluate_checkpoint(evaluation)
+        assert result["scores"]["tokenized"]["score"] == pytest.approx(bleu, abs=1e-6)
+        assert result["scores"]["sacrebleu"]["score"] == pytest.approx(sacre, abs=1e-6)
+        assert Path(result["hypotheses"]).read_text().splitlines() == hypotheses
+
+
+def test_the_best_checkpoint_is_the_best_validations_and_resumes(with_bleu, tmp_path):
+    logged = tensorboard_scalars(with_bleu, "valid/bleu")
+    best = load_checkpoint(checkpoint_dir(with_bleu) / BEST)
+    step = (605, 610, 615, 620)[logged.index(max(logged))]
+    assert best["step"] == step and best["best"] == {
+        "metric": "bleu",
+        "value": pytest.approx(max(logged)),
+        "step": step,
+        "since": 0,
+    }
+    shutil.copytree(with_bleu.parent / "data", tmp_path / "data")
+    end = 620 if step < 620 else 625  # resumed from the best: the same run on, where there is one to compare
+    resumed = toy(
+        tmp_path,
+        tmp_path / "run",
+        *BLEU,
+        f"trainer.resume={checkpoint_dir(with_bleu) / BEST}",
+        f"trainer.max_steps={end}",
+    )
+    train(resumed)
+    assert load_checkpoint(checkpoint_dir(tmp_path / "run") / f"checkpoint_{end}.pt")["step"] == end
+    if end == 620:
+        for name, tensor in weights(tmp_path / "run", 620).items():
+            assert torch.equal(tensor, weights(with_bleu, 620)[name]), name
+
+
+def test_a_resumed_run_keeps_its_best_so_far(with_bleu, tmp_path):
+    shutil.copytree(with_bleu.parent / "data", tmp_path / "data")
+    train(toy(tmp_path, tmp_path / "run", *BLEU, f"trainer.resume={OLD}", "trainer.max_steps=610"))
+    train(toy(tmp_path, tmp_path / "run", *BLEU, "trainer.max_steps=620"))  # trainer.resume=auto
+    ours = load_checkpoint(checkpoint_dir(tmp_path / "run") / "checkpoint_620.pt")
+    assert ours["best"] == load_checkpoint(checkpoint_dir(with_bleu) / "checkpoint_620.pt")["best"]
+    assert load_checkpoint(checkpoint_dir(tmp_path / "run") / BEST)["step"] == ours["best"]["step"]
+
+
+def test_patience_stops_early_and_the_finish_stage_runs(corpus, tmp_path, capsys):  # noqa: F811
+    """A learning rate so large that the valid loss soon stops falling, and a patience of 1: the
+    first validation that is no better stops the run, with a checkpoint; the finish stage averages and
+    names the best checkpoint; the same command again trains no further."""
+    settings = [
+        "trainer.eval_every_steps=2",
+        "trainer.patience=1",
+        "trainer.max_steps=40",
+        "optim.lr_scale=30",
+    ]
+    settings += ["trainer.save_every_steps=2", "finish.average_last=2", "finish.evaluate_split=null"]
+    cfg = compose_config(overrides(corpus, tmp_path, *settings))
+    train(cfg)
+    last = load_checkpoint(checkpoint_dir(tmp_path) / "checkpoint_last.pt")
+    assert last["early_stopped"] and last["step"] < 40 and last["best"]["since"] == 1
+    assert last["step"] == last["best"]["step"] + 2  # the first validation no better than the best
+    assert load_checkpoint(checkpoint_dir(tmp_path) / BEST)["step"] == last["best"]["step"]
+    assert finish(cfg, tmp_path) is not None
+    out = capsys.readouterr().out
+    assert "best checkpoint:" in out and "averaged the last 2 checkpoints" in out
+    train(cfg)  # nothing more to train
+    assert load_checkpoint(checkpoint_dir(tmp_path) / "checkpoint_last.pt")["step"] == last["step"]
+
+
+def test_best_metric_bleu_without_bleu_validations_is_refused():
+    with pytest.raises(
+        ConfigError, match="trainer.best_metric='bleu' needs its validations: trainer.bleu_every_steps is 0"
+    ):
+        TrainerConfig(best_metric="bleu")
+    with pytest.raises(ConfigError, match="needs its validations: trainer.eval_every_steps is 0"):
+        TrainerConfig(eval_every_steps=0, patience=3)
+
+
+def test_under_ddp_every_rank_stops_together(corpus, tmp_path):  # noqa: F811
+    """Two processes: rank 0 computes BLEU, both ranks learn it and stop at the same validation (the
+    tiny corpus' 4-gram BLEU stays 0: the second validation is no better than the first)."""
+    settings = ["trainer.bleu_every_steps=2", "trainer.best_metric=bleu", "trainer.patience=1"]
+    settings += ["trainer.max_steps=20", "trainer.eval_every_steps=0", "finish.beam_size=1"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = overrides(corpus, tmp_path / "ddp", *settings)
+    done = subprocess.run(
+        [*launcher, ROOT / "train.py", *args], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = load_checkpoint(checkpoint_dir(tmp_path / "ddp") / "checkpoint_last.pt")
+    assert (
+        last["early_stopped"]
+        and last["step"] == 4
+        and last["best"] == {"metric": "bleu", "value": 0.0, "step": 2, "since": 1}
+    )
+    assert len(last["rng"]) == 2 and tensorboard_scalars(tmp_path / "ddp", "valid/bleu") == [0.0, 0.0]

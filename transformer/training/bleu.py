@@ -1,0 +1,59 @@
+"""BLEU on the valid split while training (`trainer.bleu_every_steps`, rank 0): the live model decodes
+the raw source text with the finish stage's search (§6.1), scored with the corpus's published metric
+(the paper's tokenized BLEU for WMT, Wu et al.'s lowercased one for Multi30k) and sacreBLEU beside it.
+It draws from no random generator, so the trained weights are bitwise those of a run without it. The
+hypotheses of each validation go beside the checkpoints: `valid_step<N>.hyp.<lang>`."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from transformer import atomic
+from transformer.checkpoint import checkpoint_dir
+from transformer.config import DecodeConfig, TrainConfig
+from transformer.data.tokenizer import Tokenizer
+from transformer.evaluation import published, read_split, score_all, wants_lowercase
+from transformer.training.state import Run
+from transformer.translation import Translator
+
+
+@dataclass
+class ValidText:
+    """The valid split's raw text and how to score it."""
+
+    sources: list[str]
+    references: list[str]
+    lang: str
+    lowercase: bool
+    metric: str  # the key of score_all's result logged as valid/bleu
+
+
+def load_valid_text(cfg: TrainConfig) -> ValidText:
+    """The first `trainer.bleu_sentences` (0: all) sentences of the corpus's valid split."""
+    split = read_split(cfg.data, "valid")
+    n = cfg.trainer.bleu_sentences or len(split.src)
+    figures = published(cfg.data.name, "test") or published(cfg.data.name, "valid")
+    metric = figures[0].metric if figures else "tokenized"
+    lowercase = wants_lowercase(cfg.data.name, "test") or metric == "tokenized_lowercase"
+    return ValidText(split.src[:n], split.tgt[:n], cfg.data.tgt_lang, lowercase, metric)
+
+
+def valid_bleu(run: Run, text: ValidText) -> dict[str, float]:
+    """{"bleu": the corpus's metric, "sacrebleu": ...} of the live model at this step."""
+    search = run.cfg.finish.search_settings() | {"precision": "fp32"}  # the weights stay as they train
+    cfg = DecodeConfig(checkpoint=str(run.run_dir), device=str(run.runtime.device), **search)
+    cfg = replace(cfg, cuda_graphs=False)
+    translator = Translator(run.model, Tokenizer.from_bytes(run.spm_model), cfg, kernels=run.runtime.kernels)
+    run.model.eval()
+    try:  # bf16 autocast on CUDA; a CPU decodes fastest in fp32 with its kernels
+        with run.runtime.autocast() if run.runtime.device.type == "cuda" else nullcontext():
+            hypotheses = translator.translate(text.sources)
+    finally:
+        run.model.train()
+    scores = score_all(hypotheses, text.references, text.lang, text.lowercase)
+    path = checkpoint_dir(run.run_dir) / f"valid_step{run.step}.hyp.{text.lang}"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_bytes(path, "".join(h + "\n" for h in hypotheses).encode("utf-8"))
+    return {"bleu": scores[text.metric].score, "sacrebleu": scores["sacrebleu"].score}
