@@ -97,6 +97,15 @@ def best_next_tokens(
     return best - lse, torch.cat(indices, dim=1).gather(1, pick)
 
 
+def project(states: Tensor, weight: Tensor, linear: Linear) -> Tensor:
+    """The logits (R, V) of states (R, d_model), a vocabulary chunk at a time (`vocab_chunks`: the
+    chunks `search_weights` packs)."""
+    chunks = vocab_chunks(weight.size(0), weight.device)
+    if len(chunks) == 1:
+        return linear(states, weight)
+    return torch.cat([linear(states, weight[start:end]) for start, end in chunks], dim=-1)
+
+
 def next_log_probs(
     states: list[Tensor], model: Transformer | Ensemble, step: Tensor, min_len: int, linear: Linear
 ) -> Tensor:
@@ -105,7 +114,7 @@ def next_log_probs(
     models = members(model)
     weights = model.weights if isinstance(model, Ensemble) else [1.0]
     each = [
-        linear(h, m.embed.weight).log_softmax(dim=-1, dtype=torch.float32) + math.log(w)
+        project(h, m.embed.weight, linear).log_softmax(dim=-1, dtype=torch.float32) + math.log(w)
         for h, m, w in zip(states, models, weights)
         if w > 0
     ]
@@ -149,18 +158,21 @@ def sample_keys(seed: int, sentences: Tensor, samples: int) -> Tensor:
 
 def sample_tokens(log_probs: Tensor, sampling: Sampling, draws: Tensor) -> Tensor:
     """(R, 1) tokens drawn from the narrowed distribution of log_probs (R, V), by inverse transform with
-    the uniform numbers draws (R,)."""
-    logits = log_probs / sampling.temperature
-    if sampling.topk > 0 and sampling.topk < logits.size(-1):
-        kth = logits.topk(sampling.topk, dim=-1).values[:, -1:]  # (R, 1)
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-    probs = logits.softmax(dim=-1, dtype=torch.float64)  # (R, V)
+    the uniform numbers draws (R,). With top-k only the k best are ranked and summed; plain sampling
+    sums the whole vocabulary in float32 (its last entry, a real piece, takes a draw that rounding
+    pushes past the sum), top-p in float64."""
+    index = None  # the vocabulary ids of the columns kept, when not all of them
+    logits = log_probs
+    if 0 < sampling.topk < log_probs.size(-1):
+        logits, index = log_probs.topk(sampling.topk, dim=-1)  # (R, k), best first
+    precise = torch.float64 if index is not None or sampling.topp < 1.0 else torch.float32
+    probs = (logits / sampling.temperature).softmax(dim=-1, dtype=precise)  # (R, k or V)
     if sampling.topp < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more probable tokens
-        sorted_probs = sorted_probs.masked_fill(before >= sampling.topp, 0.0)  # the first always stays
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    cdf = probs.cumsum(dim=-1)  # (R, V)
-    target = draws[:, None] * cdf[:, -1:]  # (R, 1), within the kept mass
-    token = torch.searchsorted(cdf, target, right=True).clamp(max=probs.size(-1) - 1)
-    return token
+        if index is None:
+            probs, index = probs.sort(dim=-1, descending=True)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more probable tokens
+        probs = probs.masked_fill(before >= sampling.topp, 0.0)  # the first always stays
+    cdf = probs.cumsum(dim=-1)
+    target = (draws[:, None] * cdf[:, -1:].double()).to(cdf.dtype)  # (R, 1), within the kept mass
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=probs.size(-1) - 1)  # (R, 1)
+    return pick if index is None else index.gather(1, pick)

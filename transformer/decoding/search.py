@@ -211,6 +211,21 @@ class _Beams:
         all_scores = torch.cat([self.best_token_scores, token_scores[:, None]], 1)  # (N, n + 1, L)
         self.best_token_scores.copy_(all_scores.gather(1, width))
 
+    def finish_rows(self, which: Tensor, scores: Tensor, length: Tensor, eos_score: Tensor | None) -> None:
+        """Sampling's finish: each row has its own slot (n = k); the rows `which` (N, k), scored scores
+        (N, k), `length` () long, ending in EOS with log-probability eos_score (N * k,) unless None,
+        become their slots' hypotheses, except in sentences already done."""
+        n, k = which.shape
+        which = which & ~self.done[:, None]
+        tokens, token_scores = self.tokens.view(n, k, -1), self.token_scores.view(n, k, -1)
+        if eos_score is not None:
+            token_scores = token_scores.index_copy(2, length.view(1), eos_score.view(n, k, 1))
+        self.best.copy_(torch.where(which, scores, self.best))
+        self.best_len.copy_(torch.where(which, length, self.best_len))
+        self.best_eos.copy_(torch.where(which, eos_score is not None, self.best_eos))
+        self.best_tokens.copy_(torch.where(which[:, :, None], tokens, self.best_tokens))
+        self.best_token_scores.copy_(torch.where(which[:, :, None], token_scores, self.best_token_scores))
+
     def keep(self, sentences: Tensor, k: int) -> _Beams:
         """Only `sentences` (n,) stay, with their rows (n * k,)."""
         rows = (sentences[:, None] * k + torch.arange(k, device=sentences.device)).view(-1)  # (n * k,)
@@ -281,11 +296,16 @@ class BeamSearch:
         n = beams.scores.size(0)
         at_limit = beams.max_len[:, None] == step  # (N, 1)
         cut = torch.where(at_limit, live_scores / penalty, NEG_INF)  # (N, k): finished as they stand
-        cut_scores, cut_pick = cut.topk(beams.best.size(1), dim=1)  # (N, n), best first
-        for j in range(cut_pick.size(1)):
-            beams.finish(cut_scores[:, j], torch.arange(n, device=cut.device) * k + cut_pick[:, j], step)
-        # Done: at the length limit, or no live hypothesis can still beat the n-th best finished one.
-        beams.done |= (beams.best[:, -1] >= live_scores.max(dim=1).values / beams.lp_max) | at_limit[:, 0]
+        if self.sampling is None:
+            cut_scores, cut_pick = cut.topk(beams.best.size(1), dim=1)  # (N, n), best first
+            for j in range(cut_pick.size(1)):
+                beams.finish(cut_scores[:, j], torch.arange(n, device=cut.device) * k + cut_pick[:, j], step)
+            # Done: at the length limit, or no live hypothesis can still beat the n-th best finished one.
+            finished = beams.best[:, -1] >= live_scores.max(dim=1).values / beams.lp_max
+        else:
+            beams.finish_rows(cut > NEG_INF, cut, step, None)
+            finished = live_scores.isneginf().all(dim=1)  # every sample ended
+        beams.done |= finished | at_limit[:, 0]
         beams.scores.copy_(live_scores)
         if self.static and k > 1 and self.sampling is None:  # a beam of 1 and samples extend their own rows
             for cache in self.caches:
@@ -318,12 +338,8 @@ class BeamSearch:
         live = beams.scores.view(-1) + token_score  # (N * k,) -inf stays -inf
         ended = (token.squeeze(1) == EOS_ID).view(beams.scores.shape)  # (N, k)
         n = beams.scores.size(0)
-        ending = torch.where(ended, live.view(n, -1) / penalty, NEG_INF)  # (N, k)
-        order = ending.argsort(dim=1, descending=True)  # each row ends once: every ending is kept
-        for j in range(self.k):
-            pick = order[:, j]
-            rows = torch.arange(n, device=pick.device) * self.k + pick
-            beams.finish(ending.gather(1, pick[:, None]).squeeze(1), rows, step - 1, token_score[rows])
+        ending = ended & (beams.scores > NEG_INF)  # (N, k): live rows that drew EOS now
+        beams.finish_rows(ending, live.view(n, -1) / penalty, step - 1, token_score)
         identity = torch.arange(live.size(0), device=live.device)
         beams.extend(identity, token, token_score, step)
         return live.view(n, -1).masked_fill(ended, NEG_INF), identity
@@ -466,6 +482,7 @@ class _Results:
                 for score, length, eos, t, s in zip(scores, lengths, ended, tokens, token_scores)
                 if score > NEG_INF
             ]
+            found.sort(key=lambda h: -h.score)  # samples come in their rows' order
             self.hypotheses[i] = found or [Hypothesis([], NEG_INF, [])]
 
     def result(self) -> SearchResult:
