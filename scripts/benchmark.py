@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -73,6 +72,8 @@ from bench.report import print_header, print_section, print_summary, targets, wr
 from bench.train import section_train
 
 from transformer.config import ModelConfig
+from transformer.devices import cpu_features
+from transformer.kernels import Kernels
 
 SIZES = {
     "tiny": ModelConfig(vocab_size=1000, d_model=64, n_heads=4, d_ff=256, n_layers=2),
@@ -158,10 +159,18 @@ def _resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def describe(args: argparse.Namespace, setup: Setup, cfg: ModelConfig) -> dict[str, Any]:
-    cuda = setup.device.type == "cuda"
+    cuda, cpu = setup.device.type == "cuda", cpu_features()
     return {
         "device": args.device,
-        "device_name": torch.cuda.get_device_name(setup.device) if cuda else platform.processor() or "cpu",
+        "device_name": torch.cuda.get_device_name(setup.device) if cuda else cpu.name,
+        "cpu": {
+            "name": cpu.name,
+            "isa": cpu.isa,
+            "capability": cpu.capability,
+            "bf16": cpu.bf16,
+            "amx": cpu.amx,
+        },
+        "cpu_kernels": Kernels.choose(setup.device).describe(),
         "torch": torch.__version__,
         "size": args.size,
         "model": {k: getattr(cfg, k) for k in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers")},

@@ -105,7 +105,7 @@ def section_kv(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(0)
         cfg = ModelConfig(vocab_size=args.vocab, n_kv_heads=kv, dropout=0.0, **SIZES[args.size])
         model = Transformer(cfg).eval().to(setup.device)
-        kernels = Kernels.for_device(setup.device)  # as translate.py hands them over
+        kernels = Kernels.choose(setup.device)  # as translate.py hands them over
         self_bytes, cross_bytes = cache_bytes(model, args.src_len, max(args.new_tokens))
         rows.append(
             {
@@ -159,7 +159,7 @@ def section_moe(setup: Any, args: argparse.Namespace) -> dict[str, Any]:
     for name, change in variants.items():
         torch.manual_seed(0)
         cfg = ModelConfig(vocab_size=args.vocab, **{**SIZES[args.size], **change})
-        kernels = Kernels.for_device(setup.device)  # as training hands them over
+        kernels = Kernels.choose(setup.device)  # as training hands them over
         model = kernels.apply(Transformer(cfg).to(setup.device))
         objective = Seq2SeqLoss(model, 0.1, kernels.products).train()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)

@@ -265,7 +265,7 @@ def test_float32_search_with_the_cpu_kernels_and_packed_weights_equals_the_plain
     model = tiny_model(seed=5, dtype=torch.float32)
     src = sources([9, 2, 5, 1], 24, seed=6)
     plain = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
-    kernels = Kernels.for_device(torch.device("cpu"))
+    kernels = Kernels.choose(torch.device("cpu"), "on")
     fast_model = kernels.apply(model)
     with kernels.products.prepacked(search_weights(fast_model)):
         fast = beam_search(fast_model, src, beam_size=3, alpha=0.6, max_len_b=6, linear=kernels.products)

@@ -18,7 +18,7 @@ from transformer.model import Transformer
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 linear = Products(onednn=True)
-CPU = Kernels.for_device(torch.device("cpu"))
+CPU = Kernels.choose(torch.device("cpu"), "on")
 
 
 class OpsCalled(TorchDispatchMode):

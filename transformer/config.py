@@ -234,11 +234,15 @@ class DeviceConfig(Settings):
 
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
     threads: int | None = None  # CPU threads of PyTorch's kernels; None = its default (one per core)
+    # the CPU kernels (transformer/kernels): "auto" (by the CPU's instruction set; a resumed run: as it
+    # was trained) | "on" | "off" (plain PyTorch)
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         self.require(
             self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", f"must be {DEVICES}"
         )
+        self.require_choice("cpu_kernels", ("auto", "on", "off"))
         self.require(self.threads is None or self.threads >= 1, "threads", "must be at least 1")
         super().__post_init__()
 

@@ -14,6 +14,9 @@ training, decoding and the benchmark.
 from __future__ import annotations
 
 import logging
+import platform
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,6 +37,45 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What this CPU offers the kernels: the vector instructions PyTorch dispatches to
+    (`torch.backends.cpu.get_cpu_capability()`: "AVX512", "AVX2", "DEFAULT", or on ARM e.g. "SVE256"),
+    whether it is an x86 CPU, and whether it multiplies bf16 natively (AVX512-BF16, AMX)."""
+
+    capability: str
+    x86: bool
+    bf16: bool
+    amx: bool
+    name: str  # the CPU's model name, for reports
+
+    @property
+    def isa(self) -> str:
+        """The vector ISA as reports name it: "AMX", "AVX512-BF16", "AVX-512", "AVX2", or the capability."""
+        if self.amx:
+            return "AMX"
+        if self.capability.startswith("AVX512"):
+            return "AVX512-BF16" if self.bf16 else "AVX-512"
+        return self.capability
+
+
+def cpu_features() -> CpuFeatures:
+    """This machine's `CpuFeatures`."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    amx = torch.cpu._is_amx_tile_supported()
+    return CpuFeatures(torch.backends.cpu.get_cpu_capability(), x86, cpu_has_bf16(), amx, _cpu_name())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX instructions."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -52,6 +94,11 @@ def decoding_dtype(precision: str, device: torch.device) -> torch.dtype:
     """Decoding's precision -> the dtype of the weights (int8: float32 weights, 8-bit products)."""
     if precision == "int8" and device.type != "cpu":
         raise ConfigError(f"precision=int8 runs on the CPU; the device here is {device}: add device=cpu")
+    if precision == "int8" and not cpu_features().x86:
+        raise ConfigError(
+            "precision=int8 multiplies with fbgemm, PyTorch's x86 engine; this CPU is not an x86 one: "
+            "use precision=fp32"
+        )
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     _check_bf16(precision, device, "precision")

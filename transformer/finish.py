@@ -43,7 +43,12 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
     if settings.average_last > 0:
         checkpoint = _average(run_dir, settings.average_last)
     int8 = settings.precision == "int8"  # 8-bit products run on the CPU, whatever device trained
-    device = {"device": "cpu" if int8 else cfg.trainer.device, "threads": cfg.trainer.threads}
+    trainer = cfg.trainer
+    device = {
+        "device": "cpu" if int8 else trainer.device,
+        "threads": trainer.threads,
+        "cpu_kernels": trainer.cpu_kernels,
+    }
     decode = dict(checkpoint=str(checkpoint), **settings.search_settings(), **device)
     written = [checkpoint]
     best, record = checkpoint_dir(run_dir) / BEST, found[1].get("best") or {}

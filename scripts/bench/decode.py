@@ -25,6 +25,8 @@ from transformer.model import Transformer
 from transformer.vocab import EOS_ID
 
 POLICIES = ("ours, n-best 4", "ours, 4 samples (top-k 50)")
+KERNELS_OFF = "ours (kernels off)"  # on a CPU: ours without the CPU kernels (cpu_kernels=off)
+SIDE_ROWS = (*POLICIES, KERNELS_OFF)  # compared with ours, not with the peers
 
 
 def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     if "int8" in name:
         return next(r for r in rows if r["decoder"] == "ours int8")
     plain = (r for r in rows if r["decoder"].startswith("ours") and "int8" not in r["decoder"])
-    return max((r for r in plain if r["decoder"] not in POLICIES), key=lambda r: r["tokens_per_s"])
+    return max((r for r in plain if r["decoder"] not in SIDE_ROWS), key=lambda r: r["tokens_per_s"])
 
 
 def hf_decoder(model: nn.Module, new_tokens: int) -> Callable[[Tensor, int], int]:
@@ -118,8 +120,10 @@ def build_decoders(
     # the search's other policies, beam 4 only (translate.py nbest=4; sampling=true nbest=4 topk=50)
     decoders[POLICIES[0]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, nbest=4))
     decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, sampling=Sampling(topk=50)))
+    if not cuda:  # the same search in plain PyTorch (cpu_kernels=off)
+        decoders[KERNELS_OFF] = ("ours", ours_decoder(ours, args.new_tokens, Kernels()))
     if not cuda:  # translate.py precision=int8: a copy of the weights in 8 bits (section_decode packs them)
-        int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.for_device(setup.device))
+        int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device))
         decoders["ours int8"] = ("ours", int8)
     # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that the others have warmed
     # up first (a capture that raises drops this row with a note; one that broke the CUDA context would
@@ -202,7 +206,7 @@ def section_decode(
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32  # as translate.py
     ours = Transformer(cfg).eval().to(setup.device, dtype)
-    kernels = Kernels.for_device(setup.device)  # as translate.py hands them over
+    kernels = Kernels.choose(setup.device)  # as translate.py hands them over
     with tempfile.TemporaryDirectory() as workdir, ExitStack() as cleanup:
         decoders = build_decoders(ours, kernels, cfg, setup, peers, args, Path(workdir), notes, cleanup)
         # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on

@@ -52,6 +52,9 @@ class Trainee:
     optimizer: torch.optim.Optimizer
 
 
+KERNELS_OFF = "ours (kernels off)"  # on a CPU: ours without the CPU kernels, beside them
+
+
 def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: int, compile: bool) -> list:
     """Every family eager, and compiled when asked (the same weights and Adam: compile wraps the module)."""
     builders = {"ours": OursObjective, "nn.Transformer": TorchTransformerPeer, "Marian (HF)": MarianPeer}
@@ -59,13 +62,15 @@ def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: in
     for name in families:
         torch.manual_seed(seed)
         if name == "ours":  # with the kernels as training hands them over (training/state.py)
-            module = OursObjective(cfg, setup.label_smoothing, Kernels.for_device(setup.device))
+            module = OursObjective(cfg, setup.label_smoothing, Kernels.choose(setup.device))
+        elif name == KERNELS_OFF:  # plain PyTorch, trainer.cpu_kernels=off
+            module = OursObjective(cfg, setup.label_smoothing, Kernels())
         else:
             module = builders[name](cfg, setup.label_smoothing)
         module = module.to(setup.device).train()
         optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
         trainees.append(Trainee(name, "eager", module, module, optimizer))
-        if compile:
+        if compile and name != KERNELS_OFF:  # (compiled code takes no CPU kernel anyway)
             trainees.append(Trainee(name, "compiled", compiled(name, module), module, optimizer))
     return trainees
 
@@ -303,7 +308,8 @@ def section_train(
     paper's budgets. The eager models come first and their figures are published (written to the JSON)
     before anything compiles: compiling takes most of the section's time and is its likeliest failure.
     Then the compiled models join, and every model is timed again, interleaved with all the others."""
-    families = ["ours"] + ["nn.Transformer"] * ("torch" in peers) + ["Marian (HF)"] * ("marian" in peers)
+    families = ["ours"] + [KERNELS_OFF] * (setup.device.type == "cpu")
+    families += ["nn.Transformer"] * ("torch" in peers) + ["Marian (HF)"] * ("marian" in peers)
     batch = random_batch(cfg, args.batch, args.length, torch.Generator().manual_seed(args.seed))
     batch = batch.to(setup.device)
     trainees = build_trainees(cfg, families, setup, args.seed, args.compile)

@@ -1,8 +1,10 @@
 """Speed machinery, handed in from outside the paper's modules (docs/performance.md).
 
-An entry point chooses its `Kernels` for the device and hands them on, in the order build ->
-to(device) -> kernels -> compile -> DDP: `kernels.apply(model)` gives the model with the CPU kernels'
-modules in place of the plain ones (the same parameters, state_dict keys and functions);
+An entry point chooses its `Kernels` for the device and the CPU's instruction set (`Kernels.choose`:
+each kernel only where it was measured to win; `cpu_kernels=on|off` forces them) and hands them on,
+in the order build -> to(device) -> kernels -> compile -> DDP: `kernels.apply(model)` gives the model
+with the CPU kernels' modules in place of the plain ones (the same parameters, state_dict keys and
+functions);
 `kernels.products` computes the linear maps that the loss and the search make themselves, and packs
 the weights decoding multiplies by once for a translation session (in 8 bits for precision=int8).
 `keep_freed_memory` and `cache_onednn_kernels` keep a CPU run's memory and oneDNN kernels from one
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from transformer.attention import MultiHeadAttention
+from transformer.devices import CpuFeatures, cpu_features
 from transformer.kernels.cpu import NoiseDropout, OneDNNFeedForward, OneDNNLinear, ShortAttention
 from transformer.kernels.memory import cache_onednn_kernels, keep_freed_memory
 from transformer.kernels.onednn import Products
@@ -35,10 +38,31 @@ class Kernels:
         self.products = Products(onednn)
 
     @classmethod
-    def for_device(cls, device: torch.device) -> Kernels:
-        """Every CPU kernel on a CPU; none elsewhere."""
-        cpu = device.type == "cpu"
-        return cls(onednn=cpu, noise_dropout=cpu, short_attention=cpu)
+    def choose(cls, device: torch.device, setting: str = "auto", cpu: CpuFeatures | None = None) -> Kernels:
+        """The kernels for a device: none off a CPU or with setting "off", all with "on"; with "auto",
+        by the CPU's instruction set, each where it was measured to win (docs/performance.md, "Which
+        kernel where"): oneDNN products and short attention on AVX-512, noise dropout on any x86 CPU,
+        nothing on others."""
+        if device.type != "cpu" or setting == "off":
+            return cls()
+        if setting == "on":
+            return cls(onednn=True, noise_dropout=True, short_attention=True)
+        cpu = cpu_features() if cpu is None else cpu
+        avx512 = cpu.x86 and cpu.capability.startswith("AVX512") and torch.backends.mkldnn.is_available()
+        return cls(onednn=avx512, noise_dropout=cpu.x86, short_attention=avx512)
+
+    def record(self) -> dict[str, bool]:
+        """The choice as a checkpoint keeps it (a resumed run takes the same kernels: the noise dropout
+        draws another random stream than nn.Dropout)."""
+        return {
+            "onednn": self.onednn,
+            "noise_dropout": self.noise_dropout,
+            "short_attention": self.short_attention,
+        }
+
+    def describe(self) -> str:
+        on = [name for name, used in self.record().items() if used]
+        return ", ".join(on) if on else "none"
 
     def apply(self, model: M) -> M:
         """A copy of the model (the same parameters) with these kernels' modules in place."""

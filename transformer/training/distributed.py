@@ -68,7 +68,7 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast use TF32 tensor cores
-    runtime = Runtime(rank, world_size, device, dtype, Kernels.for_device(device))
+    runtime = Runtime(rank, world_size, device, dtype, Kernels.choose(device, cfg.cpu_kernels))
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(minutes=cfg.dist_timeout_minutes)

@@ -24,9 +24,10 @@ from transformer.checkpoint import (
     set_aside_newer,
 )
 from transformer.config import ConfigError, TrainConfig, TrainerConfig
+from transformer.kernels import Kernels
 from transformer.training.bleu import ValidText, load_valid_text, valid_bleu
 from transformer.training.corpus import batches_forever, load_corpus
-from transformer.training.distributed import all_reduce_sum, init_runtime, shutdown
+from transformer.training.distributed import Runtime, all_reduce_sum, init_runtime, shutdown
 from transformer.training.monitor import Monitor, bf16_peak_flops
 from transformer.training.policy import Decision, Policy
 from transformer.training.state import Run, start_run
@@ -46,8 +47,10 @@ def train(cfg: TrainConfig) -> Path:
         remove_temp_files(checkpoint_dir(run_dir))  # of a save that a kill interrupted
     try:
         found = _find_resume(trainer, run_dir, runtime.is_main)
-        if found is not None and runtime.is_main:
-            set_aside_newer(run_dir, found[1]["step"])  # never rotated in or averaged with this run's
+        if found is not None:
+            runtime.kernels = _resumed_kernels(runtime, trainer, found[1])
+            if runtime.is_main:
+                set_aside_newer(run_dir, found[1]["step"])  # never rotated in or averaged with this run's
         corpus = load_corpus(cfg, runtime)
         run, objective = start_run(cfg, runtime, corpus.sampler, corpus.meta, corpus.spm_model)
         if found is not None:
@@ -130,6 +133,24 @@ def _validate(run: Run, decision: Decision, validation: _Validation, monitor: Mo
     return best
 
 
+def _resumed_kernels(runtime: Runtime, trainer: TrainerConfig, ckpt: dict[str, Any]) -> Kernels:
+    """The CPU kernels a resumed run takes: with trainer.cpu_kernels=auto those it was trained with, so
+    that it resumes exactly (a checkpoint from before the choice: every kernel, as the CPU ran then)."""
+    if runtime.device.type != "cpu":
+        return runtime.kernels
+    recorded = ckpt.get("kernels") or Kernels.choose(runtime.device, "on").record()
+    if trainer.cpu_kernels == "auto":
+        return Kernels(**recorded)
+    if recorded != runtime.kernels.record():
+        log.warning(
+            "trainer.cpu_kernels=%s: the run was trained with %s; it goes on with %s, not bitwise as before",
+            trainer.cpu_kernels,
+            Kernels(**recorded).describe(),
+            runtime.kernels.describe(),
+        )
+    return runtime.kernels
+
+
 def _check_resume_setting(trainer: TrainerConfig, run_dir: Path) -> None:
     """Mistakes in trainer.resume, found before any heavy work."""
     if trainer.resume == "never" and list_checkpoints(run_dir):
@@ -171,12 +192,13 @@ def _log_start(run: Run, accum: int) -> None:
     trainer, runtime = run.cfg.trainer, run.runtime
     batch = trainer.batch_tokens(runtime.world_size)
     log.info(
-        "%s on %s x%d (%s): %s parameters; %d batch(es) of <= %d padded tokens per rank per step, "
-        "<= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d)",
+        "%s on %s x%d (%s; CPU kernels: %s): %s parameters; %d batch(es) of <= %d padded tokens per rank "
+        "per step, <= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d)",
         run.run_dir,
         runtime.device,
         runtime.world_size,
         str(runtime.dtype).removeprefix("torch."),
+        runtime.kernels.describe(),
         f"{run.model.num_parameters():,}",
         accum,
         batch,

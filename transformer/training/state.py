@@ -70,6 +70,7 @@ class Run:
             "rng": rngs,  # one entry per rank
             "interim": interim,
             "best": self.best.state_dict(),
+            "kernels": self.runtime.kernels.record(),  # a resumed run takes the same (trainer.cpu_kernels)
             "early_stopped": self.early_stopped,
         }
         path = None
