@@ -96,6 +96,16 @@ def test_every_section_at_tiny_sizes(tmp_path):
     assert data["prepare"]["pairs_read"] == 300 and data["prepare"]["pairs_per_s"] > 0
     reading = data["prepare"]["batch_reading"]
     assert reading["batches"] > 0 and reading["sentences_per_batch"] > 0 and reading["ms_per_batch"] > 0
+    for rows in (data["buckets"], data["prepare"]["buckets"]):  # synthetic lengths, the prepared corpus
+        off, *bucketed = rows
+        assert off["length_buckets"] == 0 and off["buckets"] is None
+        for r in bucketed:  # a few shapes, bought with padding and so fewer real tokens per step
+            assert (
+                1 <= r["shapes"] <= len(r["buckets"]) <= r["length_buckets"] and r["shapes"] <= off["shapes"]
+            )
+            assert r["padding_src"] >= off["padding_src"] and 0 < r["padding_tgt"] < 1
+            assert 0 < r["real_tgt_tokens_per_step"] <= off["real_tgt_tokens_per_step"]
+    assert data["buckets"][1]["shapes"] < data["buckets"][0]["shapes"]  # 20,000 pairs: fewer with buckets
     goals = {t["goal"]: t for t in report["targets"]}
     train = {r["model"]: r["tokens_per_s"] for r in report["train"]["fixed"]}  # eager only here
     ratio = goals["train step, ours (eager) vs nn.Transformer (eager)"]["ratio"]

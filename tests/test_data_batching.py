@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate
+from transformer.data.batching import (
+    Batch,
+    TokenBudgetBatchSampler,
+    bucket_lengths,
+    collate,
+    pad_batch,
+    padded_length,
+)
 
 
 def wmt_like_lengths(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -165,6 +172,23 @@ def test_collate_pads_and_places_bos_and_eos():
     assert empty_target.tgt_in.tolist() == [[2]] and empty_target.tgt_out.tolist() == [[3]]
 
 
+def test_a_batch_padded_to_a_shape_has_empty_pairs_below_its_own():
+    pairs = [(np.array([5, 6, 7]), np.array([8, 9])), (np.array([10]), np.array([11, 12, 13, 14]))]
+    src = np.concatenate([p[0] for p in pairs])
+    tgt = np.concatenate([p[1] for p in pairs])
+    batch = pad_batch(src, np.array([3, 1]), tgt, np.array([2, 4]), 4, shape=(3, 8))
+    assert batch.src.tolist() == [
+        [5, 6, 7, 3, 0, 0, 0, 0],
+        [10, 3, 0, 0, 0, 0, 0, 0],
+        [3, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    assert batch.tgt_in.tolist() == [[2, 8, 9, 0, 0, 0, 0, 0], [2, 11, 12, 13, 14, 0, 0, 0], [2] + [0] * 7]
+    assert batch.tgt_out.tolist() == [[8, 9, 3, 0, 0, 0, 0, 0], [11, 12, 13, 14, 3, 0, 0, 0], [0] * 8]
+    assert (batch.n_src_tokens, batch.n_tgt_tokens) == (6, 8)  # the empty pair counts no token
+    with pytest.raises(ValueError, match=r"2 pairs of up to 8 positions do not fit \(1, 8\)"):
+        pad_batch(src, np.array([3, 1]), tgt, np.array([2, 4]), 4, shape=(1, 8))
+
+
 def test_works_as_a_dataloader_batch_sampler():
     src, tgt = wmt_like_lengths(300, seed=8)
     pairs = fake_pairs(src, tgt)
@@ -174,6 +198,61 @@ def test_works_as_a_dataloader_batch_sampler():
     assert sum(batch.src.shape[0] for batch in loader) == 300
 
 
+def brute_force_buckets(src, tgt, n_buckets, multiple) -> int:
+    """The least total padded length over every choice of at most n_buckets lengths that hold all pairs."""
+    cost = np.maximum(padded_length(src, multiple), padded_length(tgt, multiple))
+    lengths = sorted(set(cost.tolist()))
+
+    def total(buckets):
+        return int(np.asarray(buckets)[np.searchsorted(buckets, cost)].sum())
+
+    shorter = lengths[:-1]
+    return min(
+        total([*chosen, lengths[-1]])
+        for k in range(n_buckets)
+        for chosen in itertools.combinations(shorter, k)
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bucket_lengths_pad_least_as_a_brute_force_search_finds(seed):
+    rng = np.random.default_rng(seed)
+    src, tgt = rng.integers(1, 70, 40), rng.integers(1, 70, 40)
+    for n_buckets, multiple in ((1, 1), (3, 1), (4, 8), (5, 4)):
+        buckets = bucket_lengths(src, tgt, n_buckets, multiple)
+        cost = np.maximum(padded_length(src, multiple), padded_length(tgt, multiple))
+        assert len(buckets) <= n_buckets and buckets == sorted(set(buckets)) and buckets[-1] == cost.max()
+        assert all(length % multiple == 0 for length in buckets)
+        padded = int(np.asarray(buckets)[np.searchsorted(buckets, cost)].sum())
+        assert padded == brute_force_buckets(src, tgt, n_buckets, multiple)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_bucketed_batches_take_one_of_a_few_shapes_and_hold_every_pair_once(world_size):
+    src, tgt = wmt_like_lengths(3001, seed=9)
+    buckets = bucket_lengths(src, tgt, 6, multiple=8)
+    samplers = [
+        TokenBudgetBatchSampler(
+            src, tgt, 1200, seed=2, rank=rank, world_size=world_size, pad_to_multiple=8, buckets=buckets
+        )
+        for rank in range(world_size)
+    ]
+    shapes, seen = set(), []
+    for sampler in samplers:
+        for indices in sampler.epoch_batches(0):
+            shape = sampler.batch_shape(indices)
+            longest = max(
+                padded_length(int(src[indices].max()), 8), padded_length(int(tgt[indices].max()), 8)
+            )
+            length = min(b for b in buckets if b >= longest)  # the smallest bucket that holds the batch
+            assert shape == (max(1200 // length, len(indices)), length)
+            shapes.add(shape)
+            seen.append(indices)
+    assert len(shapes) <= len(buckets)
+    assert len({len(sampler) for sampler in samplers}) == 1
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(len(src)))
+
+
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="must be 1-D of equal length"):
         TokenBudgetBatchSampler([1, 2], [1], 10)
@@ -181,3 +260,5 @@ def test_rejects_bad_arguments():
         TokenBudgetBatchSampler([1, 2], [1, 2], 10, rank=2, world_size=2)
     with pytest.raises(ValueError, match="max_tokens=0 must be positive"):
         TokenBudgetBatchSampler([1, 2], [1, 2], 0)
+    with pytest.raises(ValueError, match=r"buckets \[8\] must ascend and hold the longest pair \(16 padded"):
+        TokenBudgetBatchSampler([1, 9], [1, 2], 100, pad_to_multiple=8, buckets=[8])

@@ -2,11 +2,14 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from transformer.config import ModelConfig
+from transformer.data.batching import pad_batch
+from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.training import loss as loss_module
 from transformer.training.loss import Seq2SeqLoss, smoothed_cross_entropy
@@ -178,6 +181,36 @@ def test_seq2seq_loss_is_cross_entropy_of_the_model_logits():
         nll, F.cross_entropy(logits, tgt_out.reshape(-1), ignore_index=PAD, reduction="sum")
     )
     assert math.isfinite(loss.item())
+
+
+@pytest.mark.parametrize("kernels", ["plain", "cpu"])
+def test_the_same_pairs_padded_to_two_bucket_shapes_give_equal_loss_and_gradients(kernels):
+    """A length bucket pads a batch's pairs further, both sides to one length, and adds empty pairs
+    (trainer.length_buckets): the loss, its token counts and every gradient stay as without."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=37, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
+    chosen = Kernels.choose(torch.device("cpu"), "on" if kernels == "cpu" else "off")
+    model = chosen.apply(Transformer(cfg))
+    objective = Seq2SeqLoss(model, 0.1, chosen.products)
+    g = torch.Generator().manual_seed(4)
+    src_lengths, tgt_lengths = np.array([5, 2, 7]), np.array([6, 3, 4])
+    src_ids = torch.randint(4, 37, (int(src_lengths.sum()),), generator=g).numpy()
+    tgt_ids = torch.randint(4, 37, (int(tgt_lengths.sum()),), generator=g).numpy()
+    results = []
+    for shape in (None, (4, 16), (9, 24)):
+        batch = pad_batch(src_ids, src_lengths, tgt_ids, tgt_lengths, 8, shape)
+        model.zero_grad()
+        loss, nll, _ = objective(batch.src, batch.tgt_in, batch.tgt_out)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((batch.n_tgt_tokens, loss.detach(), nll.detach(), grads))
+    tight = results[0]
+    for padded in results[1:]:
+        assert padded[0] == tight[0] == int(tgt_lengths.sum()) + 3
+        torch.testing.assert_close(padded[1], tight[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded[2], tight[2], rtol=1e-5, atol=1e-5)
+        for a, b in zip(padded[3], tight[3]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_no_vocabulary_sized_activation_is_kept_for_backward():

@@ -30,6 +30,7 @@ from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
 from transformer.data.prepare import prepare
 from transformer.training import TrainingStopped, loop, policy, state, train
+from transformer.training import corpus as corpus_module
 from transformer.training import step as training_step
 from transformer.training.loss import smoothed_cross_entropy
 from transformer.training.monitor import Monitor
@@ -182,6 +183,52 @@ def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(
     [group] = final["optimizer"]["param_groups"]
     assert (group["betas"], group["weight_decay"]) == ((0.9, 0.9), 0.01)
     assert final["config"]["optim"]["lr_scale"] == 0.5
+
+
+def test_a_bucketed_run_records_its_buckets_and_resumes_onto_the_same_batches(corpus, tmp_path, caplog):
+    """trainer.length_buckets=3: batches in at most 3 padded lengths, recorded in every checkpoint; a run
+    resumed with the setting left unset goes on with them, bitwise the uninterrupted run; one resumed
+    with another number says that its batches change."""
+    args = overrides(corpus, tmp_path / "whole", "trainer.max_steps=8", "trainer.length_buckets=3")
+    train(compose_config(args))
+    whole = load_checkpoint(tmp_path / "whole" / "checkpoints" / "checkpoint_8.pt")
+    buckets = whole["batching"]["buckets"]
+    multiple = whole["config"]["trainer"]["pad_to_multiple"]
+    assert 1 <= len(buckets) <= 3 and buckets == sorted(buckets) and all(b % multiple == 0 for b in buckets)
+    parts = tmp_path / "parts"
+    train(compose_config(overrides(corpus, parts, "trainer.max_steps=4", "trainer.length_buckets=3")))
+    train(compose_config(overrides(corpus, parts, "trainer.max_steps=8")))  # length_buckets unset
+    assert_same_state(load_checkpoint(parts / "checkpoints" / "checkpoint_8.pt"), whole)
+    with caplog.at_level(logging.WARNING):
+        train(compose_config(overrides(corpus, parts, "trainer.max_steps=9", "trainer.length_buckets=0")))
+    assert f"the run was batched with buckets {buckets}, it goes on with None" in caplog.text
+    assert load_checkpoint(parts / "checkpoints" / "checkpoint_9.pt")["batching"] == {"buckets": None}
+
+
+def test_a_checkpoint_from_before_buckets_resumes_onto_the_batches_it_had(
+    corpus, uninterrupted, tmp_path, monkeypatch
+):
+    """Where buckets are the default (as on CUDA), a checkpoint that records no batching, written before
+    they existed, goes on unbucketed: bitwise the uninterrupted run."""
+    old = load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_7.pt")
+    del old["batching"], old["kernels"]
+    write_checkpoint(old, tmp_path / "old.pt")
+    monkeypatch.setitem(corpus_module.LENGTH_BUCKETS, "cpu", 3)
+    train(
+        compose_config(
+            overrides(
+                corpus, tmp_path / "run", "trainer.max_steps=12", f"trainer.resume={tmp_path / 'old.pt'}"
+            )
+        )
+    )
+    final = load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_12.pt")
+    assert final["batching"] == {"buckets": None}
+    assert_same_state(final, load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_12.pt"))
+    train(compose_config(overrides(corpus, tmp_path / "fresh", "trainer.max_steps=1")))  # a new run: buckets
+    assert (
+        len(load_checkpoint(tmp_path / "fresh" / "checkpoints" / "checkpoint_1.pt")["batching"]["buckets"])
+        <= 3
+    )
 
 
 def test_the_checkpoint_records_the_initialisation_scheme(corpus, uninterrupted, tmp_path):

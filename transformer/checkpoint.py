@@ -18,6 +18,7 @@ and, for resuming training:
     best          the best validation so far: {"metric", "value", "step", "since"}
     early_stopped True once `trainer.patience` validations in a row did not improve
     kernels       the CPU kernels it trained with ({"onednn", "noise_dropout", "short_attention"})
+    batching      {"buckets": the length buckets of its batches, or None}
 An average of checkpoints (§6.1) has no resume state and lists its inputs under "averaged_from".
 `load_checkpoint` reads older checkpoints in today's terms (parameters renamed since, under their new
 names), so they translate, resume, average and export as they did.

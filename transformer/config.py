@@ -56,6 +56,8 @@ class Settings:
 
 INIT_SCHEMES = ("t2t", "fairseq", "xavier")
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+# trainer.length_buckets when unset, by device type; else 0: off (docs/performance.md, "Few batch shapes")
+LENGTH_BUCKETS = {"cuda": 12}
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
 EXPORT_FORMATS = ("ctranslate2", "huggingface")
@@ -287,6 +289,10 @@ class TrainerConfig(DeviceConfig):
     tokens_per_step: int = 28672  # padded tokens per optimizer step: ~25k real target tokens (§5.1)
     max_tokens: int = 14336  # padded tokens per batch per rank, at most (memory); see batch_tokens
     pad_to_multiple: int = 8  # pad batch lengths to a multiple of this (aligned matmuls)
+    # batch shapes from a fixed set (transformer/data/batching.py): both sides padded to one of this many
+    # lengths, and the rows that length fits in a batch; None: LENGTH_BUCKETS by device (CUDA 12, a CPU 0:
+    # off, the tightest batches), and a resumed run keeps its checkpoint's
+    length_buckets: int | None = None
     compile: bool = False  # torch.compile the model and loss, with dynamic shapes
     save_every_steps: int = 1000  # 0 = off
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
@@ -324,6 +330,9 @@ class TrainerConfig(DeviceConfig):
         ):
             self.require(getattr(self, key) >= 0, key, "must be >= 0 (0 = off)")
         self.require(self.bleu_sentences >= 0, "bleu_sentences", "must be >= 0 (0 = all)")
+        self.require(
+            self.length_buckets is None or self.length_buckets >= 0, "length_buckets", "must be >= 0"
+        )
         self.require_choice("best_metric", ("loss", "bleu"))
         validations = self.bleu_every_steps if self.best_metric == "bleu" else self.eval_every_steps
         every = "trainer.bleu_every_steps" if self.best_metric == "bleu" else "trainer.eval_every_steps"

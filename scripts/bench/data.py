@@ -1,5 +1,6 @@
-"""The data section: TokenBudgetBatchSampler on WMT-like lengths (build time, padding), prepare() on a
-corpus, and the host time of reading a training batch from the prepared shards."""
+"""The data section: TokenBudgetBatchSampler on WMT-like lengths (build time, padding), with length
+buckets (shapes per epoch, padding, real target tokens per step), prepare() on a corpus, and the host
+time of reading a training batch from the prepared shards."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import numpy as np
 import torch
 
 from bench.measure import PAD_MULTIPLE, timed
-from transformer.config import DataConfig
-from transformer.data.batching import TokenBudgetBatchSampler, padded_length
+from transformer.config import DataConfig, TrainerConfig
+from transformer.data.batching import TokenBudgetBatchSampler, bucket_lengths, padded_length
 from transformer.data.dataset import ShardDataset
 
 
@@ -51,6 +52,49 @@ def sampler_padding(
     }
 
 
+BUCKET_COUNTS = (0, 4, 8, 12, 16)  # trainer.length_buckets compared (0: off)
+
+
+def bucket_rows(src: np.ndarray, tgt: np.ndarray, seed: int) -> list[dict[str, Any]]:
+    """One epoch at the default batch budget with each number of length buckets: its distinct (rows, S,
+    T) shapes, the padding of each side (empty pairs included) and the real target tokens per step of
+    the default trainer.tokens_per_step."""
+    trainer = TrainerConfig()
+    budget, accum = trainer.batch_tokens(1), trainer.grad_accum(1)
+    rows = []
+    for n in BUCKET_COUNTS:
+        buckets = bucket_lengths(src, tgt, n, PAD_MULTIPLE) if n else None
+        sampler = TokenBudgetBatchSampler(
+            src, tgt, budget, seed=seed, pad_to_multiple=PAD_MULTIPLE, buckets=buckets
+        )
+        shapes = []
+        for batch in sampler.epoch_batches(0):
+            shape = sampler.batch_shape(batch)
+            if shape is None:
+                widths = (
+                    padded_length(int(src[batch].max()), PAD_MULTIPLE),
+                    padded_length(int(tgt[batch].max()), PAD_MULTIPLE),
+                )
+                shape = (len(batch), *widths)
+            else:
+                shape = (shape[0], shape[1], shape[1])
+            shapes.append(shape)
+        sizes = np.array(shapes)  # (batches, 3): rows, S, T
+        real_src, real_tgt = float((src + 1).sum()), float((tgt + 1).sum())
+        rows.append(
+            {
+                "length_buckets": n,
+                "buckets": buckets,
+                "batches": len(shapes),
+                "shapes": len(set(shapes)),
+                "padding_src": 1 - real_src / float((sizes[:, 0] * sizes[:, 1]).sum()),
+                "padding_tgt": 1 - real_tgt / float((sizes[:, 0] * sizes[:, 2]).sum()),
+                "real_tgt_tokens_per_step": accum * real_tgt / len(shapes),
+            }
+        )
+    return rows
+
+
 def bench_prepare(args: argparse.Namespace) -> dict[str, Any]:
     """prepare() (read, learn BPE, binarize the train split) on --corpus-dir, into a temporary directory."""
     from transformer.data.prepare import prepare
@@ -71,6 +115,8 @@ def bench_prepare(args: argparse.Namespace) -> dict[str, Any]:
         seconds, _ = timed(lambda: prepare(cfg), torch.device("cpu"))
         meta = json.loads((Path(out) / "meta.json").read_text(encoding="utf-8"))
         reading = bench_batch_reading(Path(out), args.data_budget)
+        prepared = ShardDataset(Path(out), "train")
+        buckets = bucket_rows(prepared.src_lengths, prepared.tgt_lengths, args.seed)
     train = meta["splits"]["train"]
     return {
         "corpus_dir": str(args.corpus_dir),
@@ -80,6 +126,7 @@ def bench_prepare(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": seconds,
         "pairs_per_s": train["read"] / seconds,
         "batch_reading": reading,
+        "buckets": buckets,
     }
 
 
@@ -121,6 +168,7 @@ def section_data(args: argparse.Namespace) -> dict[str, Any]:
     }
     unrounded = TokenBudgetBatchSampler(src, tgt, args.data_budget, seed=args.seed).epoch_batches(0)
     result["padding_fraction_multiple_1"] = sampler_padding(src, tgt, unrounded, args.data_budget, 1)
+    result["buckets"] = bucket_rows(src, tgt, args.seed)
     if args.corpus_dir is not None:
         result["prepare"] = bench_prepare(args)
     return result

@@ -106,6 +106,7 @@ def print_data(data: dict[str, Any]) -> None:
         f"(lengths padded to multiples of {PAD_MULTIPLE}; to multiples of 1: padding src {one['src']:.1%}, "
         f"tgt {one['tgt']:.1%}, budget used {one['budget_use']:.1%})"
     )
+    print_buckets(data["buckets"], f"{data['pairs']:,} WMT-like pairs")
     if "prepare" in data:
         p = data["prepare"]
         print(
@@ -118,6 +119,26 @@ def print_data(data: dict[str, Any]) -> None:
             f"{data['budget_tokens']:,} tokens, {r['sentences_per_batch']:.0f} sentences, first "
             f"{r['batches']} batches): {r['ms_per_batch']:.2f} ms"
         )
+        print_buckets(p["buckets"], f"the prepared {p['corpus_dir']} ({p['pairs_kept']:,} pairs)")
+
+
+def print_buckets(rows: list[dict[str, Any]], what: str) -> None:
+    """Length buckets against none: one epoch's batch shapes, padding and real target tokens per step."""
+    shown = [{**r, "lengths": " ".join(map(str, r["buckets"] or [])) or "-"} for r in rows]
+    print_table(
+        f"data: length buckets (trainer.length_buckets; 0: off) on {what}, one epoch at the default "
+        f"batch budget, lengths padded to multiples of {PAD_MULTIPLE}",
+        [
+            ("length_buckets", "length_buckets", "d"),
+            ("lengths", "lengths", ""),
+            ("batches", "batches", ",d"),
+            ("shapes", "shapes", ",d"),
+            ("padding src", "padding_src", ".1%"),
+            ("padding tgt", "padding_tgt", ".1%"),
+            ("real tgt tokens/step", "real_tgt_tokens_per_step", ",.0f"),
+        ],
+        shown,
+    )
 
 
 # The goals of each device, (CPU, CUDA), and on a CPU of each instruction set (CPU_GOALS)

@@ -1,8 +1,10 @@
 """The corpus as training reads it (§5.1): rank 0 prepares it while the other ranks wait; the training
-pairs come in token-budget batches, epoch after epoch; the valid split is batched once."""
+pairs come in token-budget batches (in shapes from a fixed set with length buckets), epoch after epoch;
+the valid split is batched once."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,11 +12,13 @@ from typing import Any
 
 import torch
 
-from transformer.config import ConfigError, TrainConfig, TrainerConfig
-from transformer.data.batching import Batch, TokenBudgetBatchSampler, padded_length
+from transformer.config import LENGTH_BUCKETS, ConfigError, TrainConfig, TrainerConfig
+from transformer.data.batching import Batch, TokenBudgetBatchSampler, bucket_lengths, padded_length
 from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import SPM_FILE, prepare
 from transformer.training.distributed import Runtime, wait_for_main
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,7 +30,9 @@ class Corpus:
     valid: list[Batch] | None  # this rank's share of the valid split; None when there is none or eval is off
 
 
-def load_corpus(cfg: TrainConfig, runtime: Runtime) -> Corpus:
+def load_corpus(cfg: TrainConfig, runtime: Runtime, resumed: dict[str, Any] | None = None) -> Corpus:
+    """The prepared corpus, batched for this run (`resumed`: the checkpoint it resumes from, whose
+    batching it keeps)."""
     trainer = cfg.trainer
     if runtime.is_main:
         prepare(cfg.data)  # a quick check when it is ready
@@ -43,19 +49,44 @@ def load_corpus(cfg: TrainConfig, runtime: Runtime) -> Corpus:
         rank=runtime.rank,
         world_size=runtime.world_size,
         pad_to_multiple=trainer.pad_to_multiple,
+        buckets=_buckets(trainer, runtime, train, resumed),
     )
     valid = valid_batches(data_dir, meta, trainer, runtime, cfg.model.max_positions)
     return Corpus(meta, (data_dir / SPM_FILE).read_bytes(), train, sampler, valid)
 
 
+def _buckets(
+    trainer: TrainerConfig, runtime: Runtime, train: ShardDataset, resumed: dict[str, Any] | None
+) -> list[int] | None:
+    """The length buckets of this run (trainer.length_buckets): a resumed run's are its checkpoint's (one
+    from before buckets had none), so that it goes on with the very batches it would have had."""
+    recorded = None if resumed is None else (resumed.get("batching") or {"buckets": None})["buckets"]
+    n = trainer.length_buckets
+    if n is None and resumed is not None:
+        return recorded
+    if n is None:
+        n = LENGTH_BUCKETS.get(runtime.device.type, 0)
+    lengths = (train.src_lengths, train.tgt_lengths)
+    buckets = bucket_lengths(*lengths, n, trainer.pad_to_multiple) if n else None
+    if resumed is not None and buckets != recorded:
+        log.warning(
+            "trainer.length_buckets=%d: the run was batched with buckets %s, it goes on with %s: other "
+            "batches than it would have had",
+            n,
+            recorded,
+            buckets,
+        )
+    return buckets
+
+
 def batches_forever(
     sampler: TokenBudgetBatchSampler, dataset: ShardDataset, pad: int, device: torch.device
 ) -> Iterator[Batch]:
-    """Batches on `device` in the sampler's order, epoch after epoch; the sampler's position counts
-    those taken."""
+    """Batches on `device` in the sampler's order (and shapes), epoch after epoch; the sampler's
+    position counts those taken."""
     while True:
         for indices in sampler:
-            yield dataset.batch(indices, pad).to(device, non_blocking=True)
+            yield dataset.batch(indices, pad, sampler.batch_shape(indices)).to(device, non_blocking=True)
 
 
 def check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: int) -> None:

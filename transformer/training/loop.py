@@ -51,7 +51,7 @@ def train(cfg: TrainConfig) -> Path:
             runtime.kernels = _resumed_kernels(runtime, trainer, found[1])
             if runtime.is_main:
                 set_aside_newer(run_dir, found[1]["step"])  # never rotated in or averaged with this run's
-        corpus = load_corpus(cfg, runtime)
+        corpus = load_corpus(cfg, runtime, None if found is None else found[1])
         run, objective = start_run(cfg, runtime, corpus.sampler, corpus.meta, corpus.spm_model)
         if found is not None:
             run.restore(*found)
@@ -193,7 +193,7 @@ def _log_start(run: Run, accum: int) -> None:
     batch = trainer.batch_tokens(runtime.world_size)
     log.info(
         "%s on %s x%d (%s; CPU kernels: %s): %s parameters; %d batch(es) of <= %d padded tokens per rank "
-        "per step, <= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d)",
+        "per step, <= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d); length buckets: %s",
         run.run_dir,
         runtime.device,
         runtime.world_size,
@@ -205,4 +205,5 @@ def _log_start(run: Run, accum: int) -> None:
         batch * accum * runtime.world_size,
         trainer.tokens_per_step,
         trainer.max_tokens,
+        " ".join(map(str, run.sampler.buckets)) if run.sampler.buckets else "none",
     )

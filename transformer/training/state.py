@@ -71,6 +71,7 @@ class Run:
             "interim": interim,
             "best": self.best.state_dict(),
             "kernels": self.runtime.kernels.record(),  # a resumed run takes the same (trainer.cpu_kernels)
+            "batching": {"buckets": self.sampler.buckets},  # and the same (trainer.length_buckets)
             "early_stopped": self.early_stopped,
         }
         path = None
