@@ -130,19 +130,26 @@ def test_padding_changes_nothing():
     torch.testing.assert_close(full.grad[keep], compact.grad)
 
 
-def test_chunking_gives_the_same_sums_and_gradients(monkeypatch):
-    states, weight, target = states_weight_and_target(n=23)
-    target[[12, 21]] = PAD
-    whole = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
-    loss_whole, _ = smoothed_cross_entropy(*whole, target, 0.1, PAD)
-    loss_whole.backward()
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 4)  # 6 chunks, the last one of 3 rows
+@pytest.mark.parametrize(
+    "n, chunk_rows, chunks",
+    [(23, 4, None), (23, 4096, 5), (23, 4096, 23), (3, 4096, 4), (0, 4096, 3), (0, 4096, None)],
+)
+def test_chunking_gives_the_same_sums_and_gradients(monkeypatch, n, chunk_rows, chunks):
+    """Chunks of CHUNK_ROWS rows (6 of 4, the last of 3), a fixed number of them (rows padded to a
+    multiple, more chunks than rows), and no rows at all: the explicit loss and its gradients."""
+    states, weight, target = states_weight_and_target(n=max(n, 8))
+    states, target = states[:n], target[:n]
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", chunk_rows)
     chunked = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
-    loss_chunked, _ = smoothed_cross_entropy(*chunked, target, 0.1, PAD)
-    loss_chunked.backward()
-    torch.testing.assert_close(loss_chunked, loss_whole)
-    for ours, reference in zip(chunked, whole):
-        torch.testing.assert_close(ours.grad, reference.grad)
+    loss, nll = smoothed_cross_entropy(*chunked, target, 0.1, PAD, chunks=chunks)
+    loss.backward()
+    whole = [states.clone().requires_grad_(), weight.clone().requires_grad_()]
+    reference = explicit_loss(F.linear(*whole), target, 0.1)
+    reference.backward()
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(nll, explicit_loss(F.linear(states, weight), target, 0.0))
+    for ours, expected in zip(chunked, whole):
+        torch.testing.assert_close(ours.grad, expected.grad)
 
 
 def test_under_bf16_autocast_products_are_bf16_and_sums_float32():

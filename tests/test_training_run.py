@@ -31,6 +31,7 @@ from transformer.data.dataset import ShardDataset
 from transformer.data.prepare import prepare
 from transformer.training import TrainingStopped, loop, policy, state, train
 from transformer.training import corpus as corpus_module
+from transformer.training import loss as loss_module
 from transformer.training import step as training_step
 from transformer.training.loss import smoothed_cross_entropy
 from transformer.training.monitor import Monitor
@@ -695,11 +696,12 @@ def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path, monkeyp
         train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=2")))
 
 
-def test_compiled_training_compiles_once_for_all_batch_shapes_and_matches_eager(
+def test_compiled_training_compiles_each_region_once_for_all_batch_shapes_and_matches_eager(
     corpus, tmp_path, monkeypatch, caplog
 ):
-    """trainer.compile=true: batches of many (B, S, T) shapes run through one compiled graph for training
-    and one for validation, and the run ends where the eager run does (dropout off: the same math)."""
+    """trainer.compile=true: batches of many (B, S, T) shapes and loss chunkings run through one compiled
+    graph per region (an encoder layer, a decoder layer, the loss), with none for validation and valid
+    BLEU, and the run ends where the eager run does (dropout off: the same math)."""
     from torch._dynamo.utils import counters
 
     shapes = set()
@@ -710,7 +712,9 @@ def test_compiled_training_compiles_once_for_all_batch_shapes_and_matches_eager(
         return real(objective, batch, *args)
 
     monkeypatch.setattr(training_step, "forward_backward", recording)
-    args = ["trainer.max_steps=4", "trainer.eval_every_steps=4", "model.dropout=0"]
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 128)  # the batches' rows: 3 or 4 times that
+    args = ["trainer.max_steps=8", "trainer.eval_every_steps=4", "trainer.bleu_every_steps=4"]
+    args.append("model.dropout=0")
     valid, weights = {}, {}
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -725,11 +729,12 @@ def test_compiled_training_compiles_once_for_all_batch_shapes_and_matches_eager(
         valid[compiled] = [
             float(m.split("valid loss ")[1].split(",")[0]) for m in caplog.messages if "valid loss" in m
         ]
-        weights[compiled] = load_checkpoint(tmp_path / str(compiled) / "checkpoints" / "checkpoint_4.pt")[
+        weights[compiled] = load_checkpoint(tmp_path / str(compiled) / "checkpoints" / "checkpoint_8.pt")[
             "model"
         ]
-    assert len(shapes) >= 4  # distinct batch shapes
-    assert 2 <= counters["stats"]["unique_graphs"] <= 3  # training, validation (+ at most one specialization)
-    assert valid[True] and valid[True] == pytest.approx(valid[False], rel=1e-3)
+    chunked = {-(-src[0] * tgt[1] // 128) for src, tgt in shapes}  # chunks of 128 rows a batch fills
+    assert len(shapes) >= 8 and len(chunked) >= 2
+    assert counters["stats"]["unique_graphs"] == 3  # no recompile after the first step
+    assert len(valid[True]) == 2 and valid[True] == pytest.approx(valid[False], rel=1e-3)
     for name, value in weights[False].items():
         torch.testing.assert_close(weights[True][name], value, rtol=0, atol=1e-2, msg=name)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from bench.data import wmt_like_lengths
@@ -69,16 +69,34 @@ def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: in
             module = builders[name](cfg, setup.label_smoothing)
         module = module.to(setup.device).train()
         optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
-        trainees.append(Trainee(name, "eager", module, module, optimizer))
-        if compile and name != KERNELS_OFF:  # (compiled code takes no CPU kernel anyway)
+        compiles = compile and name != KERNELS_OFF  # (compiled code takes no CPU kernel anyway)
+        eager = Eager(module) if compiles and name == "ours" else module
+        trainees.append(Trainee(name, "eager", eager, module, optimizer))
+        if compiles:
             trainees.append(Trainee(name, "compiled", compiled(name, module), module, optimizer))
     return trainees
 
 
 def compiled(name: str, module: nn.Module) -> nn.Module:
-    """Ours as `trainer.compile=true` compiles it (dynamic shapes: one graph for every batch shape);
-    the peers with static shapes, their fastest at one fixed shape."""
-    return torch.compile(module, dynamic=name == "ours")
+    """Ours as `trainer.compile=true` compiles it (its regions in place, with dynamic shapes: one graph per
+    region for every batch shape); the peers whole, with static shapes, their fastest at one shape."""
+    if name == "ours":
+        torch.fx.experimental._config.use_duck_shape = False  # as training/distributed.py: wrap
+        module.objective.compile_regions()
+        return module
+    return torch.compile(module)
+
+
+class Eager(nn.Module):
+    """A module whose regions are compiled, run eagerly (the eager contender beside the compiled one)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Tensor) -> Tensor:
+        with torch.compiler.set_stance("force_eager"):
+            return self.module(*args)
 
 
 def train_step(trainee: Trainee, batch: Batch, setup: Setup) -> None:

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformer.config import ConfigError, TrainerConfig
 from transformer.devices import resolve_device, training_dtype
 from transformer.kernels import Kernels, cache_onednn_kernels, keep_freed_memory
+from transformer.training.loss import Seq2SeqLoss
 
 PREPARE_TIMEOUT = timedelta(hours=12)  # rank 0 may spend hours preparing WMT14 while the others wait
 
@@ -87,17 +88,19 @@ def _device(name: str, local_rank: int, world_size: int) -> torch.device:
     return resolve_device(name, local_rank)
 
 
-def wrap(objective: nn.Module, runtime: Runtime, compile: bool) -> nn.Module:
+def wrap(objective: Seq2SeqLoss, runtime: Runtime, compile: bool) -> nn.Module:
     """torch.compile -> DDP, in that order, around an objective whose model is on the device with its
     kernels in place."""
     if compile:
-        # Dynamic shapes: one compilation serves every batch size and length. Static ones would
-        # compile anew for each of the ~170 (B, S, T) shapes of a WMT epoch, tens of seconds each.
-        objective = torch.compile(objective, dynamic=True)
+        # Dynamic shapes: one compilation serves every batch size and length (static ones would compile
+        # anew for each of the ~200 shapes of a WMT epoch), and sizes that happen to be equal in the
+        # first batch (S = T) do not become one size that a later batch recompiles for.
+        torch.fx.experimental._config.use_duck_shape = False
+        objective.compile_regions()
     if runtime.distributed:
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         # The model has no running statistics: its only buffer (the sinusoid table) needs no broadcast.
-        objective = DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
+        return DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
     return objective
 
 

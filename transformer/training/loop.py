@@ -79,7 +79,8 @@ def train(cfg: TrainConfig) -> Path:
                 decision = policy.after_step(run.step, stats, stop, save_due)
                 if stats["finite"]:
                     monitor.step(run.step, stats)
-                best = _validate(run, decision, validation, monitor)
+                with torch.compiler.set_stance("force_eager"):  # compiled for training steps only
+                    best = _validate(run, decision, validation, monitor)
                 if decision.save or best or run.early_stopped:  # the last checkpoint of an early stop
                     run.save(consumed, decision.interim, decision.save or run.early_stopped, best)
                     policy.saved()

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from transformer.kernels import Products
 from transformer.model import Transformer
@@ -41,34 +42,37 @@ def _loss_and_grads(
     ignore_index: int,
     grads: bool,
     products: Products,
+    chunks: int | None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Sums of the smoothed loss and of the NLL of the logits states (N, d) @ weight (V, d)^T over the
     rows whose target != ignore_index; with `grads`, also d(loss sum)/d states and d/d weight.
 
-    Matrix products run in the autocast dtype where autocast is on (bf16 on GPU), sums in float32.
+    The rows go in `chunks` equal chunks (default: as many as CHUNK_ROWS rows need), padded with
+    ignored rows to a multiple of them. Matrix products run in the autocast dtype where autocast is on
+    (bf16 on GPU), sums in float32.
     """
     device = states.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     total = torch.promote_types(dtype, torch.float32)  # bf16 -> float32; float64 stays
+    n_rows = states.size(0)
+    # a fixed count keeps the loop's length, and so a compiled graph, the same for every batch size
+    chunks = max(1, -(-n_rows // CHUNK_ROWS)) if chunks is None else chunks
+    extra = -n_rows % chunks  # (N + extra) rows: `chunks` chunks of equal size
     loss, nll_sum = states.new_zeros((), dtype=total), states.new_zeros((), dtype=total)
-    grad_states = torch.empty_like(states) if grads else None
-    grad_weight = None
-    valid = target != ignore_index  # (N,)
+    grad_states = states.new_empty(n_rows + extra, states.size(1)) if grads else None
+    grad_weight = torch.zeros_like(weight, dtype=total) if grads else None
     with torch.autocast(device, enabled=False) if autocast else nullcontext():  # dtypes set here
-        h, w = states.to(dtype), weight.to(dtype)
-        # a loop over the number of chunks, not over row offsets: under torch.compile with dynamic
-        # shapes that recompiles when the count changes, not at every new number of rows
-        for i in range(-(-states.size(0) // CHUNK_ROWS)):
-            rows = slice(i * CHUNK_ROWS, (i + 1) * CHUNK_ROWS)
-            chunk = _chunk(h[rows], w, target[rows], valid[rows], epsilon, total, grads, products)
+        h = F.pad(states.to(dtype), (0, 0, 0, extra)).unflatten(0, (chunks, -1))  # (chunks, n, d)
+        target = F.pad(target, (0, extra), value=ignore_index).unflatten(0, (chunks, -1))  # (chunks, n)
+        w = weight.to(dtype)
+        for i in range(chunks):
+            chunk = _chunk(h[i], w, target[i], target[i] != ignore_index, epsilon, total, grads, products)
             loss, nll_sum = loss + chunk[0], nll_sum + chunk[1]
             if grads:
-                grad_states[rows] = chunk[2]
-                grad_weight = chunk[3].to(total) if grad_weight is None else grad_weight.add_(chunk[3])
-    if grads and grad_weight is None:  # no rows at all
-        grad_weight = torch.zeros_like(weight, dtype=total)
-    return loss, nll_sum, grad_states, grad_weight
+                grad_states.unflatten(0, (chunks, -1))[i] = chunk[2]
+                grad_weight.add_(chunk[3])
+    return loss, nll_sum, None if grad_states is None else grad_states[:n_rows], grad_weight
 
 
 def _chunk(
@@ -117,9 +121,10 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         epsilon: float,
         ignore_index: int,
         products: Products,
+        chunks: int | None,
     ) -> tuple[Tensor, Tensor]:
         loss, nll_sum, grad_states, grad_weight = _loss_and_grads(
-            states, weight, target, epsilon, ignore_index, True, products
+            states, weight, target, epsilon, ignore_index, True, products, chunks
         )
         ctx.save_for_backward(grad_states, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -127,9 +132,9 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return loss, nll_sum
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor | None, ...]:
         grad_states, grad_weight = ctx.saved_tensors
-        return grad_states * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None, None
+        return grad_states * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), *[None] * 5
 
 
 def smoothed_cross_entropy(
@@ -139,15 +144,17 @@ def smoothed_cross_entropy(
     epsilon: float,
     ignore_index: int,
     products: Products = PLAIN,
+    chunks: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The label-smoothed cross-entropy of the logits states (N, d) @ weight (V, d)^T against target
     (N,) -> (sum of the loss, sum of the NLL), float32 scalars (float64 for float64 inputs).
 
     Rows whose target is `ignore_index` are left out; the NLL sum is for logging (perplexity) only.
+    The logits exist for one of `chunks` chunks of rows at a time (default: CHUNK_ROWS rows each).
     """
     if torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad):
-        return _SmoothedCrossEntropy.apply(states, weight, target, epsilon, ignore_index, products)
-    return _loss_and_grads(states, weight, target, epsilon, ignore_index, False, products)[:2]
+        return _SmoothedCrossEntropy.apply(states, weight, target, epsilon, ignore_index, products, chunks)
+    return _loss_and_grads(states, weight, target, epsilon, ignore_index, False, products, chunks)[:2]
 
 
 class Seq2SeqLoss(nn.Module):
@@ -159,11 +166,27 @@ class Seq2SeqLoss(nn.Module):
     load-balancing loss, `model.moe_aux_loss` times its sum over the layers per target token.
     """
 
-    def __init__(self, model: Transformer, label_smoothing: float, products: Products = PLAIN) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        label_smoothing: float,
+        products: Products = PLAIN,
+        chunks: int | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.label_smoothing = label_smoothing
         self.products = products
+        self.chunks = chunks  # of the loss's rows (`smoothed_cross_entropy`): fixed, one graph fits all
+        self.cross_entropy = smoothed_cross_entropy
+
+    def compile_regions(self) -> None:
+        """torch.compile, with dynamic shapes, where the step spends its time: each layer and the loss.
+        The layers of a stack share one compiled graph, so compiling costs one encoder and one decoder
+        layer, and every batch shape runs through the same graphs."""
+        for layer in (*self.model.encoder, *self.model.decoder):
+            layer.compile(dynamic=True)
+        self.cross_entropy = torch.compile(smoothed_cross_entropy, dynamic=True)
 
     def forward(
         self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor
@@ -177,13 +200,14 @@ class Seq2SeqLoss(nn.Module):
         memory = model.encode(src, src_mask, encoder)
         states = model.decode(tgt_in, memory, src_mask, routing=decoder)  # (B, T, d_model)
         # the pre-softmax projection (§3.4) happens inside the loss, a chunk of rows at a time
-        loss, nll = smoothed_cross_entropy(
+        loss, nll = self.cross_entropy(
             states.reshape(-1, states.size(-1)),  # (B * T, d_model)
             model.embed.weight,  # (V, d_model)
             tgt_out.reshape(-1),
             self.label_smoothing,
             PAD_ID,
             self.products,
+            self.chunks,
         )
         if not routed:
             return loss, nll, {}

@@ -21,7 +21,7 @@ from transformer.config import ConfigError, OptimConfig, TrainConfig, to_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.model import Transformer
 from transformer.training.distributed import Runtime, gather_objects, wrap
-from transformer.training.loss import Seq2SeqLoss
+from transformer.training.loss import CHUNK_ROWS, Seq2SeqLoss
 from transformer.training.policy import Best
 from transformer.training.schedule import make_scheduler
 
@@ -146,7 +146,8 @@ def start_run(
     seed_everything(cfg.trainer.seed)
     kernels = runtime.kernels
     model = kernels.apply(Transformer(cfg.model).to(runtime.device))
-    objective = Seq2SeqLoss(model, cfg.optim.label_smoothing, kernels.products)
+    chunks = -(-cfg.trainer.max_tokens // CHUNK_ROWS)  # a batch's target tokens fit these chunks of the loss
+    objective = Seq2SeqLoss(model, cfg.optim.label_smoothing, kernels.products, chunks)
     objective = wrap(objective, runtime, cfg.trainer.compile)
     seed_everything(cfg.trainer.seed + runtime.rank)  # each rank its own dropout masks
     optimizer = adam(model, cfg.optim)
