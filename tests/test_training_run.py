@@ -354,6 +354,33 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_status_of_the_signal(corp
         assert_same_state(stopped, reference)
 
 
+def test_sigterm_during_a_compile_stops_at_once_and_keeps_the_last_checkpoint(corpus, tmp_path):
+    """A signal while torch.compile works (minutes on a GPU) ends the process at once, without a step
+    or a checkpoint: the last one stays as it was and the run resumes from it."""
+    args = overrides(corpus, tmp_path, "trainer.save_every_steps=2", "trainer.eval_every_steps=0")
+    train(compose_config([*args, "trainer.max_steps=2"]))
+    last = tmp_path / "checkpoints" / "checkpoint_2.pt"
+    written = last.read_bytes()
+    process = subprocess.Popen(
+        [sys.executable, ROOT / "train.py", *args, "trainer.max_steps=6", "trainer.compile=true"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = ""
+    for line in process.stdout:  # the start line: the first step, and its compile, come next
+        output += line
+        if "length buckets" in line:
+            break
+    process.send_signal(signal.SIGTERM)
+    output += process.communicate(timeout=60)[0]
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "SIGTERM received while compiling: stopped at once" in output and "Traceback" not in output
+    assert "step 3:" not in output and [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_2.pt"]
+    assert last.read_bytes() == written
+
+
 def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(corpus, tmp_path, monkeypatch):
     """train() raises TrainingStopped after the checkpoint; a rank that exited while rank 0 still wrote
     would make torchrun stop (and kill) rank 0, so every rank first waits for it."""

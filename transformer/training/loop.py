@@ -56,7 +56,6 @@ def train(cfg: TrainConfig) -> Path:
         if found is not None:
             run.restore(*found)
         accum = trainer.grad_accum(runtime.world_size)
-        _log_start(run, accum)
         batches = batches_forever(corpus.sampler, corpus.train, trainer.pad_to_multiple, runtime.device)
         validated = objective.module if runtime.distributed else objective  # no gradient sync needed
         text = load_valid_text(cfg) if trainer.bleu_every_steps and runtime.is_main else None
@@ -66,8 +65,9 @@ def train(cfg: TrainConfig) -> Path:
         monitor = Monitor(
             run_dir, runtime.is_main, trainer.progress, steps, trainer.log_every_steps, runtime.device, peak
         )
-        policy, micro = Policy(trainer, runtime), None
+        policy, micro = Policy(trainer, runtime, run.step), None
         with monitor, policy, logging_redirect_tqdm():
+            _log_start(run, accum)  # from here on a signal stops the run cleanly
             while run.step < trainer.max_steps and not run.early_stopped:
                 micro = micro or [next(batches) for _ in range(accum)]
                 queued = queue_step(run, objective, micro, policy.requests())

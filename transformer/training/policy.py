@@ -8,7 +8,8 @@
 - a checkpoint: every `trainer.save_every_steps` steps or `trainer.save_every_minutes` minutes, after
   the last step, and before a stop (an interim one, which the resumed run's next checkpoint replaces);
 - a stop: SIGTERM or Ctrl-C (on any rank) stops the run after the current step's checkpoint, with
-  `TrainingStopped`; a non-finite loss or gradient skips the update, and `trainer.max_nonfinite_steps`
+  `TrainingStopped`; during a `torch.compile` (minutes on a GPU) at once, from the last checkpoint;
+  a non-finite loss or gradient skips the update, and `trainer.max_nonfinite_steps`
   of them in a row stop the run with `TrainingError`.
 """
 
@@ -18,8 +19,11 @@ import logging
 import signal
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
+
+from torch._dynamo import callback as compile_callbacks
 
 from transformer.config import TrainerConfig
 from transformer.training.distributed import Runtime, all_reduce_sum, wait_for_main
@@ -29,6 +33,11 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot go on (out of memory, a diverging loss); the message says what to change."""
+
+
+class _StopNow(BaseException):
+    """A signal during a compile: raised from the handler, through the compiler (which wraps exceptions
+    of the Exception family), and turned into `TrainingStopped` as the loop leaves the policy."""
 
 
 class TrainingStopped(Exception):
@@ -84,9 +93,11 @@ class Policy:
     """The loop's decisions, step by step; a context that handles SIGTERM and Ctrl-C meanwhile (a second
     Ctrl-C interrupts at once). Handlers are installed only in the main thread (Python allows no other)."""
 
-    def __init__(self, trainer: TrainerConfig, runtime: Runtime) -> None:
+    def __init__(self, trainer: TrainerConfig, runtime: Runtime, step: int) -> None:
         self.trainer, self.runtime = trainer, runtime
+        self.step = step  # the last finished step
         self.received: str | None = None  # the signal this rank received
+        self.compiling = False  # inside torch.compile: a signal stops the run at once
         self.last_save = time.monotonic()
         self.nonfinite = 0  # skipped updates in a row
         self._previous: dict[int, Any] = {}
@@ -99,6 +110,7 @@ class Policy:
 
     def after_step(self, step: int, stats: dict[str, Any], stop: bool, save_due: bool) -> Decision:
         """stats: the step's (`step.finish_step`); stop, save_due: any rank's requests."""
+        self.step = step
         if stats["finite"]:
             self.nonfinite = 0
         else:
@@ -151,17 +163,40 @@ class Policy:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
+        compile_callbacks.on_compile_start(self._compile_starts)
+        compile_callbacks.on_compile_end(self._compile_ends)
         return self
 
     def _handle(self, signum: int, _frame: object) -> None:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
+        if self.compiling:
+            raise _StopNow
         log.warning("%s received: saving a checkpoint after this step", self.received)
 
-    def __exit__(self, *_exc: object) -> None:
+    def _compile_starts(self, _args: object) -> None:
+        self.compiling = True
+        if self.received is not None and threading.current_thread() is threading.main_thread():
+            raise _StopNow  # the signal came between two compiles of one step
+
+    def _compile_ends(self, _args: object) -> None:
+        self.compiling = False
+
+    def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        with suppress(ValueError):  # absent once the compiler has been reset
+            compile_callbacks.callback_handler.remove_start_callback(self._compile_starts)
+            compile_callbacks.callback_handler.remove_end_callback(self._compile_ends)
+        if kind is _StopNow:
+            log.warning(
+                "%s received while compiling: stopped at once; the run resumes from its checkpoint of step "
+                "%d or before (trainer.resume=auto)",
+                self.received,
+                self.step,
+            )
+            raise TrainingStopped(self.step, self.received) from None
 
 
 def _every(interval: int, step: int) -> bool:
