@@ -70,6 +70,7 @@ def test_logged_scalars_are_interval_means_and_the_peak_gpu_memory(tmp_path, mon
             "train/lr": 2e-3,
             "train/grad_norm": 2.0,
             "train/tokens_per_s": 100.0,
+            "train/tokens_per_step": 150.0,
             "train/mfu": 4.0,  # 12e12 FLOPs in 3 s against 1e12 FLOP/s
             "train/peak_mem_gib": 3.0,
         }

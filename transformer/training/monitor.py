@@ -1,6 +1,7 @@
 """Watching a run: a tqdm bar (loss, learning rate, tokens/s, ETA) and TensorBoard scalars under
-`<run_dir>/tensorboard` (train loss, perplexity, lr, gradient norm, tokens/s, model FLOP utilisation on
-GPUs whose bf16 peak is known, the peak GPU memory of tensors so far; validation loss and perplexity).
+`<run_dir>/tensorboard` (train loss, perplexity, lr, gradient norm, tokens/s, real target tokens per
+step, model FLOP utilisation on GPUs whose bf16 peak is known, the peak GPU memory of tensors so far;
+validation loss and perplexity).
 Only rank 0 writes anything.
 """
 
@@ -133,6 +134,7 @@ class Monitor:
             "train/lr": sums["lr"] / steps,
             "train/grad_norm": sums["grad_norm"] / steps,
             "train/tokens_per_s": sums["tokens"] / seconds,  # target tokens, all ranks together
+            "train/tokens_per_step": sums["tokens"] / steps,  # real ones (§5.1: about 25,000)
         }
         for key in sorted(
             sums.keys() - {"loss", "nll", "tokens", "lr", "grad_norm", "flops", "seconds", "steps"}
