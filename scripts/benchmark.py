@@ -4,7 +4,7 @@
     python scripts/benchmark.py --device cpu --size base --threads 2          # small CPU batches
     python scripts/benchmark.py --device cpu --size tiny --sections data      # seconds
 
-Sections (`--sections train,decode,data`):
+Sections (`--sections train,decode,data`; `loop` when asked):
 
 train   One optimizer step (forward + backward + Adam, label-smoothed cross-entropy eps_ls = 0.1, §5.3-5.4)
         at a fixed shape (`--batch` sentences x `--length` source and target tokens) for
@@ -33,6 +33,14 @@ data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at 
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
         throughput of transformer.data.prepare.prepare (BPE learning + binarization), in pairs/s, and
         the host time of reading one training batch of the prepared shards (ShardDataset.batch).
+loop    train.py itself, each run a process (`--loop-runs`): eager, compiled (trainer.compile=true), and
+        with the length buckets the device does not use by default; the corpus `--loop-corpus` (files
+        train.<src>, train.<tgt>; e.g. the WMT sample of scripts/wmt_sample_corpus.py) or synthetic words
+        of WMT-like lengths, prepared with a `--loop-vocab` BPE into `--loop-data-dir`. Reported per run:
+        target tokens/s over the first `--loop-steps` steps from process start (imports, data, compiles,
+        plans) and over the steady steps after them, the seconds to the first step, recompiles, the real
+        target tokens per step, peak memory and (CUDA, from nvidia-smi) the GPU's busy share; then the same
+        batches through a torch.nn.Transformer loop eager and compiled (peer, peer-compiled).
 
 Every model trains with fused Adam, as the training loop does. CUDA runs use bf16 autocast and TF32;
 decoding runs the models in bf16 (as translate.py does) and CTranslate2 in `--ct2-compute`. CPU runs
@@ -66,6 +74,7 @@ from typing import Any
 import torch
 from bench.data import section_data
 from bench.decode import section_decode
+from bench.loop import RUNS, section_loop
 from bench.measure import Setup, make_setup, register_cpu_flops, release_free_memory
 from bench.peers import available_peers
 from bench.report import print_header, print_section, print_summary, targets, write_json
@@ -89,6 +98,7 @@ DEFAULTS = {
     "beam_sentences": (128, 32),
     "greedy_sentences": (512, 64),
     "decode_rounds": (3, 3),
+    "loop_steps": ("100,200", "3,3"),  # the first steps (from process start), then the steady ones
 }
 
 
@@ -122,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-dir", type=Path, help="data: also time prepare() on <dir>/train.<lang>")
     p.add_argument("--langs", default="en,de", help="data: source,target language of --corpus-dir")
     p.add_argument("--prepare-vocab", type=int, default=8000, help="data: BPE vocabulary for prepare()")
+    p.add_argument("--loop-runs", default=",".join(RUNS), help=f"loop: comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--loop-steps", help="loop: first steps, steady steps (cuda 100,200; cpu 3,3)")
+    p.add_argument("--loop-corpus", type=Path, help="loop: raw corpus dir (train.<lang>); default synthetic")
+    p.add_argument("--loop-vocab", type=int, help="loop: BPE vocabulary (base 37000, tiny 500)")
+    p.add_argument("--loop-data-dir", type=Path, help="loop: the prepared corpus (kept; default temporary)")
+    p.add_argument("--loop-work", type=Path, help="loop: where runs and their logs go (default temporary)")
     args = p.parse_args(argv)
     _resolve_defaults(args, p)
     return args
@@ -134,11 +150,13 @@ def _resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser)
             setattr(args, name, cuda if args.device == "cuda" else cpu)
     args.sections = list(dict.fromkeys(s.strip() for s in args.sections.split(",") if s.strip()))
     args.peers = [s.strip() for s in args.peers.split(",") if s.strip()]
-    bad = sorted(set(args.sections) - {"train", "decode", "data"}) + sorted(
+    args.loop_runs = [s.strip() for s in args.loop_runs.split(",") if s.strip()]
+    bad = sorted(set(args.sections) - {"train", "decode", "data", "loop"}) + sorted(
         set(args.peers) - {"torch", "marian", "ct2"}
     )
+    bad += sorted(set(args.loop_runs) - set(RUNS))
     if bad:
-        parser.error(f"unknown section(s) or peer(s): {', '.join(bad)}")
+        parser.error(f"unknown section(s), peer(s) or loop run(s): {', '.join(bad)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device is available; use --device cpu")
     positive = ("threads", "batch", "length", "steps", "budget_tokens", "real_batches", "src_len")
@@ -149,6 +167,16 @@ def _resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser)
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     if args.src_len < 2:
         parser.error("--src-len must be at least 2 (pieces + EOS)")
+    try:
+        args.loop_steps = tuple(int(n) for n in args.loop_steps.split(","))
+    except ValueError:
+        args.loop_steps = ()
+    if len(args.loop_steps) != 2 or min(args.loop_steps) < 1:
+        parser.error(f"--loop-steps={args.loop_steps} must be two counts of at least 1, e.g. 100,200")
+    if args.loop_vocab is None:
+        args.loop_vocab = 500 if args.size == "tiny" else 37_000
+    if args.loop_corpus is not None and not args.loop_corpus.is_dir():
+        parser.error(f"--loop-corpus={args.loop_corpus} is not a directory")
     if args.corpus_dir is not None and not args.corpus_dir.is_dir():
         parser.error(f"--corpus-dir={args.corpus_dir} is not a directory")
     if len(args.langs.split(",")) != 2:
@@ -205,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train": lambda: section_train(args, cfg, setup, peers, notes, lambda train: keep({"train": train})),
         "decode": lambda: section_decode(args, cfg, setup, peers, notes),
         "data": lambda: section_data(args),
+        "loop": lambda: section_loop(args, cfg),
     }
     failed = []
     for name in args.sections:  # each printed and written as it ends: a kill keeps what was measured

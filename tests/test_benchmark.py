@@ -287,3 +287,35 @@ def test_targets_are_the_goals_of_the_device(monkeypatch):
     assert avx2["train step, ours (compiled) vs nn.Transformer (eager)"]["target"] == 1.0
     assert avx2["beam 4, ours vs CTranslate2 bfloat16"]["target"] == 1.1
     assert avx2["beam 4, ours int8 vs CTranslate2 int8"]["target"] == 1.2
+
+
+def test_the_loop_section_runs_train_py_and_the_peer_over_the_same_batches(tmp_path):
+    """--sections loop: train.py processes (eager; with 12 length buckets, off by default on a CPU) on a
+    synthetic corpus it prepares, then torch.nn.Transformer over the eager run's batches: the same real
+    target tokens per step, both windows timed, no recompile, every run's log kept."""
+    out, work = tmp_path / "bench.json", tmp_path / "work"
+    flags = ["--sections", "loop", "--loop-runs", "eager,buckets,peer", "--loop-steps", "2,2"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--size", "tiny", "--device", "cpu",
+         "--threads", "1", *flags, "--loop-work", str(work), "--json", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "loop: train.py from process start" in done.stdout
+    loop = json.loads(out.read_text())["loop"]
+    rows = {row["run"]: row for row in loop["rows"]}
+    assert list(rows) == ["eager", "buckets", "peer"] and loop["vocab_size"] == 500
+    assert rows["eager"]["buckets"] is None and 1 < len(rows["buckets"]["buckets"]) <= 12
+    assert rows["peer"]["tokens_per_step"] == rows["eager"]["tokens_per_step"] > 0
+    assert all(row["first_tokens_per_s"] > 0 and row["steady_tokens_per_s"] > 0 for row in rows.values())
+    assert rows["eager"]["recompiles"] == rows["buckets"]["recompiles"] == 0
+    assert "length buckets: none" in (work / "eager.log").read_text()
+
+
+@pytest.mark.parametrize("flags", [["--loop-steps", "0,3"], ["--loop-steps", "5"], ["--loop-runs", "fast"]])
+def test_bad_loop_flags_are_refused_before_any_work(monkeypatch, capsys, flags):
+    benchmark = load_benchmark(monkeypatch)
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--sections", "loop", *flags])
+    error = capsys.readouterr().err
+    assert "--loop-steps" in error or "unknown section(s), peer(s) or loop run(s): fast" in error

@@ -202,8 +202,32 @@ def print_section(name: str, report: dict[str, Any]) -> None:
         print_train(report["train"], report["meta"])
     elif name == "decode":
         print_decode(report["decode"])
+    elif name == "loop":
+        print_loop(report["loop"])
     else:
         print_data(report["data"])
+
+
+def print_loop(loop: dict[str, Any]) -> None:
+    shown = [{**r, "buckets": len(r["buckets"]) if r.get("buckets") else 0} for r in loop["rows"]]
+    print_table(
+        f"loop: train.py from process start on {loop['corpus']} ({loop['pairs']:,} pairs, vocabulary "
+        f"{loop['vocab_size']:,}): target tokens/s over the first {loop['first_steps']} steps and the "
+        f"{loop['steady_steps']} steady steps after them; peers on the same batches from their loop's start",
+        [
+            ("run", "run", ""),
+            ("first steps tok/s", "first_tokens_per_s", ",.0f"),
+            ("steady tok/s", "steady_tokens_per_s", ",.0f"),
+            ("s to step 1", "first_step_s", ".1f"),
+            ("recompiles", "recompiles", "d"),
+            ("buckets", "buckets", "d"),
+            ("real tgt tokens/step", "tokens_per_step", ",.0f"),
+            ("GPU busy", "gpu_busy", ".0%"),
+            ("peak GiB", "peak_gib", ".1f"),
+            ("steady / peer-compiled", "over_peer_compiled", ".2f"),
+        ],
+        shown,
+    )
 
 
 def print_summary(report: dict[str, Any]) -> None:

@@ -1,0 +1,267 @@
+"""The loop section: `train.py` itself, from process start, on WMT-like lengths (sampler, padding, length
+buckets, accumulation, queue_step / finish_step, compile as configured), and the same batches through a
+torch.nn.Transformer loop, eager and compiled.
+
+Each run of ours is a `train.py` process; its TensorBoard scalars (one per step) give the wall time of
+every step and its real target tokens, `TORCH_LOGS=recompiles` its recompiles, and on CUDA nvidia-smi,
+sampled beside it, the GPU's busy share. The first `first` steps are counted from the process's start
+(imports, data loading, compiles, cuDNN plans included); the `steady` steps after them on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.data import wmt_like_lengths
+from bench.peers import TorchTransformerPeer
+from transformer.checkpoint import load_checkpoint
+from transformer.config import DataConfig, ModelConfig, TrainerConfig, from_dict
+from transformer.data.batching import TokenBudgetBatchSampler
+from transformer.data.dataset import ShardDataset, load_meta
+from transformer.data.prepare import prepare
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = ("eager", "compiled", "buckets", "peer", "peer-compiled")  # in order of value
+HIDDEN = ("steady_from", "steady_to", "trainer")  # a row's working figures, not reported
+
+
+def loop_data(args: argparse.Namespace, work: Path) -> DataConfig:
+    """The corpus of the loop runs, prepared (a no-op when it already is): --loop-corpus (files
+    train.<src>, train.<tgt>), else synthetic words in WMT-like lengths written to `work`."""
+    raw = args.loop_corpus
+    if raw is None:
+        raw = work / "synthetic"
+        write_synthetic(raw, 2_000 if args.size == "tiny" else 50_000, args.seed)
+    src_lang, tgt_lang = args.langs.split(",")
+    cfg = DataConfig(
+        name="bench_loop",
+        source="local",
+        path=str(raw),
+        src_lang=src_lang,
+        tgt_lang=tgt_lang,
+        splits={"train": "train"},
+        vocab_size=args.loop_vocab,
+        lowercase=False,
+        dir=str(args.loop_data_dir or work / "prepared"),
+    )
+    prepare(cfg)
+    return cfg
+
+
+def write_synthetic(out: Path, pairs: int, seed: int) -> None:
+    """`pairs` sentence pairs of random words (a 60,000-word lexicon) with WMT-like lengths."""
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    lexicon = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(60_000)]
+    src, tgt = wmt_like_lengths(pairs, seed, max_len=120)
+    for lang, lengths in (("en", src), ("de", tgt)):
+        lines = (" ".join(lexicon[i] for i in rng.integers(0, len(lexicon), n)) for n in lengths)
+        (out / f"train.{lang}").write_text("".join(line + "\n" for line in lines))
+
+
+def train_overrides(args: argparse.Namespace, data: DataConfig, cfg: ModelConfig, run_dir: Path) -> list[str]:
+    """train.py's command line for a loop run: the defaults of the device, no validation or saving."""
+    cuda = args.device == "cuda"
+    first, steady = args.loop_steps
+    command = ["trainer=default" if cuda else "trainer=cpu", f"trainer.device={args.device}"]
+    command += [f"data.{key}={getattr(data, key)}" for key in ("name", "source", "path", "dir", "vocab_size")]
+    command += [f"data.src_lang={data.src_lang}", f"data.tgt_lang={data.tgt_lang}", "data.lowercase=false"]
+    command += ["~data.splits.valid", "~data.splits.test", "data.local_splits=null", "data.num_workers=1"]
+    command += [f"model.{key}={getattr(cfg, key)}" for key in ("d_model", "n_heads", "d_ff", "n_layers")]
+    command += [f"trainer.run_dir={run_dir}", f"trainer.max_steps={first + steady}", "trainer.progress=false"]
+    command += ["trainer.log_every_steps=1", "trainer.eval_every_steps=0", "trainer.bleu_every_steps=0"]
+    command += ["trainer.save_every_steps=0", "trainer.save_every_minutes=0", "trainer.best_metric=loss"]
+    return command + ["finish.average_last=0", "finish.evaluate_split=null"]
+
+
+def run_ours(
+    args: argparse.Namespace, data: DataConfig, cfg: ModelConfig, work: Path, name: str
+) -> dict[str, Any]:
+    """One train.py process: `eager`, `compiled` (trainer.compile=true) or `buckets` (the length buckets
+    the device does not use by default: 12 on a CPU, none on CUDA)."""
+    run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    extra = {"eager": [], "compiled": ["trainer.compile=true"]}.get(name)
+    if extra is None:
+        extra = [f"trainer.length_buckets={0 if args.device == 'cuda' else 12}"]
+    command = [sys.executable, str(ROOT / "train.py"), *train_overrides(args, data, cfg, run_dir), *extra]
+    env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
+    with GpuBusy(args.device) as busy:
+        start = time.time()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+    log = done.stdout + done.stderr
+    (work / f"{name}.log").write_text(log)
+    if done.returncode != 0:
+        raise RuntimeError(f"train.py ({name}) exited with {done.returncode}: {log[-2000:]}")
+    steps = [(s.wall_time, s.value) for s in _scalars(run_dir, "train/tokens_per_step")]
+    row = _windows(name, start, steps, args.loop_steps)
+    row["recompiles"] = log.count("Recompiling function")
+    row["peak_gib"] = max((m.value for m in _scalars(run_dir, "train/peak_mem_gib")), default=None)
+    row["gpu_busy"] = busy.share(row["steady_from"], row["steady_to"])
+    return {**row, **_batching(run_dir)}
+
+
+def run_peer(
+    args: argparse.Namespace, data: DataConfig, cfg: ModelConfig, ours: dict[str, Any], compiled: bool
+) -> dict[str, Any]:
+    """torch.nn.Transformer over the batches the `ours` run trained on (the same sampler, padding and
+    buckets): forward, backward, Adam and one read of the loss per step, timed from its loop's start
+    (model built, data open); compiled as a user would, `torch.compile(model)`."""
+    device = torch.device(args.device)
+    trainer = from_dict(TrainerConfig, ours["trainer"])
+    train = ShardDataset(Path(data.dir), "train")
+    sampler = TokenBudgetBatchSampler(
+        train.src_lengths,
+        train.tgt_lengths,
+        trainer.batch_tokens(1),
+        seed=trainer.seed,
+        pad_to_multiple=trainer.pad_to_multiple,
+        buckets=ours["buckets"],
+    )
+    torch.manual_seed(args.seed)
+    dims = {key: getattr(cfg, key) for key in ("d_model", "n_heads", "d_ff", "n_layers")}
+    vocab = load_meta(data.dir)["vocab_size"]
+    peer = TorchTransformerPeer(ModelConfig(**dims, vocab_size=vocab), 0.1).to(device).train()
+    optimizer = torch.optim.Adam(peer.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    run = torch.compile(peer) if compiled else peer
+    batches = _forever(sampler)
+    first, steady = args.loop_steps
+    with GpuBusy(args.device) as busy:
+        start, steps = time.time(), []
+        for _ in range(first + steady):
+            indices = [next(batches) for _ in range(trainer.grad_accum(1))]
+            micro = [train.batch(i, trainer.pad_to_multiple, sampler.batch_shape(i)) for i in indices]
+            tokens = sum(batch.n_tgt_tokens for batch in micro)
+            total = torch.zeros((), device=device)
+            for batch in micro:
+                batch = batch.to(device, non_blocking=True)
+                with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                    loss = run(batch.src, batch.tgt_in, batch.tgt_out)
+                (loss / tokens).backward()
+                total += loss.detach()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            total.item()  # the one read per step, as the training loop's
+            steps.append((time.time(), float(tokens)))
+    row = _windows("peer-compiled" if compiled else "peer", start, steps, args.loop_steps)
+    row["gpu_busy"] = busy.share(row["steady_from"], row["steady_to"])
+    row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return row
+
+
+def _forever(sampler: TokenBudgetBatchSampler) -> Iterator[list[int]]:
+    while True:
+        yield from sampler
+
+
+def _windows(
+    name: str, start: float, steps: list[tuple[float, float]], windows: tuple[int, int]
+) -> dict[str, Any]:
+    """Target tokens/s of the first `first` steps from `start`, and of the `steady` steps after them;
+    steps: (wall time at its end, its real target tokens), one per step."""
+    first, steady = windows
+    if len(steps) != first + steady:
+        raise RuntimeError(f"{name}: {len(steps)} steps logged, {first + steady} expected")
+    times, tokens = np.array([t for t, _ in steps]), np.array([n for _, n in steps])
+    return {
+        "run": name,
+        "first_step_s": float(times[0] - start),
+        "first_tokens_per_s": float(tokens[:first].sum() / (times[first - 1] - start)),
+        "steady_tokens_per_s": float(tokens[first:].sum() / (times[-1] - times[first - 1])),
+        "tokens_per_step": float(tokens.mean()),
+        "steady_from": float(times[first - 1]),
+        "steady_to": float(times[-1]),
+    }
+
+
+def _scalars(run_dir: Path, tag: str) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep all
+    events.Reload()
+    return events.Scalars(tag) if tag in events.Tags()["scalars"] else []
+
+
+class GpuBusy:
+    """nvidia-smi's utilisation (the share of time a kernel ran), sampled every 100 ms beside a run on
+    CUDA; nothing elsewhere."""
+
+    def __init__(self, device: str) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.enabled = device == "cuda" and shutil.which("nvidia-smi") is not None
+
+    def __enter__(self) -> GpuBusy:
+        if self.enabled:
+            query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+            self.process = subprocess.Popen([*query, "-lms", "100"], stdout=subprocess.PIPE, text=True)
+            self.reader = threading.Thread(target=self._read, daemon=True)
+            self.reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.strip().isdigit():
+                self.samples.append((time.time(), float(line) / 100))
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.enabled:
+            self.process.terminate()
+            self.process.wait()
+
+    def share(self, start: float, end: float) -> float | None:
+        """The mean utilisation sampled between two wall times."""
+        inside = [busy for t, busy in self.samples if start <= t <= end]
+        return sum(inside) / len(inside) if inside else None
+
+
+def section_loop(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
+    """The runs of --loop-runs, in that order; a peer run takes the batches of ours' eager run (an
+    earlier one's in --loop-work, else it runs first)."""
+    with tempfile.TemporaryDirectory(prefix="bench_loop_") as tmp:
+        work = args.loop_work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        data = loop_data(args, work)
+        rows = []
+        for name in args.loop_runs:
+            if name.startswith("peer"):
+                ours = next((r for r in rows if r["run"] == "eager"), None) or _batching(work / "eager")
+                ours = ours or run_ours(args, data, cfg, work, "eager")
+                rows.append(run_peer(args, data, cfg, ours, compiled=name == "peer-compiled"))
+            else:
+                rows.append(run_ours(args, data, cfg, work, name))
+    first, steady = args.loop_steps
+    meta = load_meta(data.dir)
+    peer = next((r["steady_tokens_per_s"] for r in rows if r["run"] == "peer-compiled"), None)
+    for row in rows:
+        row["over_peer_compiled"] = row["steady_tokens_per_s"] / peer if peer else None
+    return {
+        "corpus": str(args.loop_corpus or "synthetic WMT-like lengths"),
+        "pairs": meta["splits"]["train"]["pairs"],
+        "vocab_size": meta["vocab_size"],
+        "first_steps": first,
+        "steady_steps": steady,
+        "rows": [{k: v for k, v in row.items() if k not in HIDDEN} for row in rows],
+    }
+
+
+def _batching(run_dir: Path) -> dict[str, Any] | None:
+    """The trainer settings and buckets of an earlier run of ours, from its last checkpoint; None without."""
+    path = run_dir / "checkpoints" / "checkpoint_last.pt"
+    if not path.is_file():
+        return None
+    ckpt = load_checkpoint(path)
+    return {"trainer": ckpt["config"]["trainer"], "buckets": ckpt["batching"]["buckets"]}
