@@ -1,12 +1,22 @@
-"""Every GPU check of the project in one command, for a GPU machine lent for minutes: the GPU tests, the
-benchmark, a short bf16 training run through train.py eager and then compiled, translation with and
-without CUDA graphs compared line by line, and peak memory. Each step runs in its own process with its
-own time limit inside one budget, so a failure or a timeout costs only that step; the results go to
-`summary.json`, `summary.md`, `benchmark.json` and `steps.log` (every step's output) in --out (default
-$OUT, else gpu_check/).
+"""Every GPU check of the project in one command, for a GPU machine lent for minutes, in order of value
+(a cut budget loses the last): the real training loop (`benchmark.py --sections loop`: train.py at the
+base size on WMT lengths, eager with length buckets, compiled, without buckets, then the
+torch.nn.Transformer loop on the same batches), the GPU tests, translation with and without CUDA graphs
+compared line by line, and the fixed-shape training step. Each step runs in its own process under
+`timeout -k` inside one budget, so a failure or a timeout costs only that step; the results go to
+`summary.json`, `summary.md` (its table printed last), `benchmark.json`, `loop.json` and `steps.log`
+(every step's output) in --out (default $OUT, else gpu_check/).
 
     python scripts/gpu_check.py                 # on a CUDA machine: about 8 minutes on one H200
     python scripts/gpu_check.py --dry-run       # anywhere: the same steps at toy sizes on the CPU
+
+The loop runs on the WMT sample (`--corpus`, default data/wmt_sample_raw from scripts/wmt_sample_corpus.py)
+prepared with a 37,000-piece BPE into `--prepared` (default data/bench_loop37k), else on synthetic
+lengths. Prepare it on any machine first and carry both folders (prepare() checks the settings, the
+relative path included, and skips the work):
+
+    python scripts/benchmark.py --device cpu --sections loop --loop-runs "" \
+        --loop-corpus data/wmt_sample_raw --loop-data-dir data/bench_loop37k
 
 The GPU machine of this project's device tool has torch, sentencepiece, sacrebleu, tensorboard and
 transformers but not hydra-core, omegaconf or sacremoses. Their wheels are pure Python, so a folder
@@ -29,9 +39,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # a GPU machine runs the checkout as it is, not pip-installed
-
-from transformer.data.toy import generate_splits  # noqa: E402
 
 NEEDED = ("hydra", "omegaconf", "sacremoses")  # imported by train.py, translate.py and the evaluation
 
@@ -42,33 +49,86 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheels of missing packages")
     parser.add_argument("--budget", type=int, default=480, help="seconds for all steps together")
+    # relative to the checkout, as when they were prepared: prepare() compares the path as written
+    parser.add_argument("--corpus", type=Path, default=Path("data/wmt_sample_raw"), help="loop corpus")
+    parser.add_argument("--prepared", type=Path, default=Path("data/bench_loop37k"), help="it prepared")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "steps.log").unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         results = run_all(args, Path(work))
+    print("\n" + (args.out / "summary.md").read_text())
     print(f"wrote {args.out / 'summary.md'}")
     sys.exit(0 if all(r["ok"] for r in results.values()) else 1)
 
 
 def run_all(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     """The steps in order of value (a cut budget loses the last); their results by name."""
-    n_train, n_test = (2000, 50) if args.dry_run else (20000, 500)
-    data = ["data=toy", f"data.toy.n_train={n_train}", f"data.toy.n_valid={n_test}"]
-    data += [f"data.toy.n_test={n_test}", f"data.dir={work / 'toy'}"]
     check = Check(
         args.out, args.dry_run, environment(args.wheels, work / "site"), time.monotonic() + args.budget
     )
     check.run("environment", [sys.executable, "-c", _ENVIRONMENT], 60)
+    corpus = ["--loop-corpus", str(args.corpus), "--loop-data-dir", str(args.prepared)]
+    corpus = corpus if (ROOT / args.corpus).is_dir() and not args.dry_run else []  # else synthetic lengths
+    loop = Loop(check, work / "loop", corpus)
+    loop.run("loop_eager", "eager", 120)
+    loop.run("loop_compiled", "compiled", 150, compiled=True)
+    loop.run("loop_no_buckets" if not args.dry_run else "loop_buckets", "buckets", 90)
+    loop.run("loop_peers", "peer,peer-compiled", 180, compiled=True)
     check.run("gpu_tests", _pytest(args.dry_run), 100)
-    check.run("benchmark", _benchmark(args.dry_run, args.out / "benchmark.json"), 300)
-    check.run("prepare", [sys.executable, "scripts/prepare_data.py", *data], 60)
-    if check.train("train_eager", work / "eager", data, compile=False):
-        source = work / "test.en"
-        source.write_text("".join(en + "\n" for en, _ in generate_splits(0, 0, n_test, 1234)["test"]))
-        check.translations(work / "eager" / "checkpoints" / "checkpoint_last.pt", source, work)
-    check.train("train_compiled", work / "compiled", data, compile=not args.dry_run)
+    checkpoint = work / "loop" / "eager" / "checkpoints" / "checkpoint_last.pt"
+    if checkpoint.is_file():
+        source = work / "source.txt"
+        lines = (
+            ROOT / args.corpus / "valid.en"
+            if corpus and (ROOT / args.corpus / "valid.en").is_file()
+            else None
+        )
+        text = lines.read_text(encoding="utf-8").splitlines()[:500] if lines else _words(50)
+        source.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+        check.translations(checkpoint, source, work)
+    check.run("benchmark", _benchmark(args.dry_run, args.out / "benchmark.json"), 150)
     return check.results
+
+
+class Loop:
+    """The loop section's runs, each a step of its own; the figures of all gathered in loop.json."""
+
+    def __init__(self, check: Check, work: Path, corpus: list[str]) -> None:
+        self.check, self.work, self.corpus = check, work, corpus
+        self.rows: list[dict] = []
+
+    def run(self, name: str, runs: str, timeout: int, compiled: bool = False) -> None:
+        if compiled and self.check.dry_run:  # compiling takes minutes on a CPU: the plumbing without it
+            runs = ",".join(r for r in runs.split(",") if r in ("peer",))
+            if not runs:
+                return
+        out = self.work / f"{name}.json"
+        command = [sys.executable, "scripts/benchmark.py", "--sections", "loop", "--loop-runs", runs]
+        command += ["--loop-work", str(self.work), "--json", str(out), *self.corpus]
+        if self.check.dry_run:
+            command += ["--device", "cpu", "--size", "tiny", "--threads", "1", "--loop-steps", "2,2"]
+        else:
+            command += ["--device", "cuda", "--size", "base"]
+        if self.check.run(name, command, timeout) and out.is_file():
+            loop = json.loads(out.read_text())["loop"]
+            self.rows += loop["rows"]
+            for row in loop["rows"]:
+                self.check.results[name][row["run"]] = _loop_figures(row)
+            self.check.loop = {**loop, "rows": self.rows}
+            self.check.write()
+
+
+def _loop_figures(row: dict) -> str:
+    figures = [f"steady {row['steady_tokens_per_s']:,.0f} tok/s", f"first {row['first_tokens_per_s']:,.0f}"]
+    figures += [f"step 1 at {row['first_step_s']:.0f} s", f"{row['tokens_per_step']:,.0f} tgt tok/step"]
+    if row.get("recompiles") is not None:
+        figures.append(f"{row['recompiles']} recompiles")
+    if row.get("gpu_busy") is not None:
+        figures.append(f"GPU busy {row['gpu_busy']:.0%}")
+    if row.get("peak_gib") is not None:
+        figures.append(f"peak {row['peak_gib']:.1f} GiB")
+    return "; ".join(figures)
 
 
 class Check:
@@ -79,8 +139,10 @@ class Check:
         self.out, self.dry_run, self.env, self.deadline = out, dry_run, env, deadline
         self.device = "cpu" if dry_run else "cuda"
         self.results: dict[str, dict] = {}
+        self.loop: dict | None = None
 
     def run(self, name: str, command: list[str], timeout: int) -> bool:
+        """`command` under `timeout -k 10` (a process busy compiling may ignore a plain SIGTERM)."""
         start = time.monotonic()
         timeout = min(timeout, int(self.deadline - start))
         status: int | str = "no time left"
@@ -88,34 +150,18 @@ class Check:
             with open(self.out / "steps.log", "a") as log:
                 log.write(f"\n===== {name}: {' '.join(command)}\n")
                 log.flush()
+                limited = ["timeout", "-k", "10", str(timeout), *command]
                 try:
                     status = subprocess.run(
-                        command, cwd=ROOT, env=self.env, stdout=log, stderr=log, timeout=timeout
+                        limited, cwd=ROOT, env=self.env, stdout=log, stderr=log, timeout=timeout + 30
                     ).returncode
                 except subprocess.TimeoutExpired:
                     status = f"timeout ({timeout} s)"
+                status = f"timeout ({timeout} s)" if status in (124, 137) else status
         self.results[name] = {"ok": status == 0, "status": status, "seconds": round(time.monotonic() - start)}
         print(f"{name}: {'ok' if status == 0 else f'FAILED: {status}'} in {self.results[name]['seconds']} s")
         self.write()
         return status == 0
-
-    def train(self, name: str, run_dir: Path, data: list[str], compile: bool) -> bool:
-        """train.py: the base model on the toy corpus in bf16 for 120 steps (a dry run: the demo's
-        model, 3 steps in fp32 on the CPU, never compiled: that takes minutes on a CPU), then its last
-        logged speed and memory."""
-        command = [sys.executable, "train.py", *data, f"trainer.run_dir={run_dir}", "trainer.progress=false"]
-        command += ["trainer.save_every_minutes=0", f"trainer.compile={str(compile).lower()}"]
-        command += ["finish.average_last=0", "finish.evaluate_split=null", f"trainer.device={self.device}"]
-        if self.dry_run:
-            command += ["experiment=demo", "trainer.max_steps=3", "trainer.log_every_steps=1"]
-        else:
-            command += ["model=base", "trainer.max_steps=120", "trainer.save_every_steps=120"]
-            command += ["trainer.log_every_steps=20", "trainer.eval_every_steps=120"]
-        if not self.run(name, command, 150 if compile else 90):
-            return False
-        self.results[name].update(_training_figures(run_dir))
-        self.write()
-        return True
 
     def translations(self, checkpoint: Path, source: Path, work: Path) -> None:
         """translate.py without and with CUDA graphs (a dry run: twice without), compared line by line."""
@@ -133,10 +179,24 @@ class Check:
 
     def write(self) -> None:
         (self.out / "summary.json").write_text(json.dumps(self.results, indent=2) + "\n")
+        if self.loop is not None:
+            (self.out / "loop.json").write_text(json.dumps(self.loop, indent=2) + "\n")
         rows = [f"| {n} | {r['status']} | {r['seconds']} | {_figures(r)} |" for n, r in self.results.items()]
         kind = "dry run on the CPU" if self.dry_run else "CUDA"
         table = "| step | status | seconds | figures |\n|---|---|---|---|\n" + "\n".join(rows)
-        (self.out / "summary.md").write_text(f"GPU check ({kind})\n\n{table}\n")
+        (self.out / "summary.md").write_text(f"GPU check ({kind})\n\n{table}\n{_ratios(self.loop)}")
+
+
+def _ratios(loop: dict | None) -> str:
+    """Ours against the torch.nn.Transformer loop on the same batches, steady state."""
+    runs = {row["run"]: row["steady_tokens_per_s"] for row in (loop or {}).get("rows", [])}
+    lines = [
+        f"- {ours} / {peer}: {runs[ours] / runs[peer]:.2f}x"
+        for ours in ("eager", "compiled")
+        for peer in ("peer", "peer-compiled")
+        if ours in runs and peer in runs
+    ]
+    return "\nsteady state, ours / torch.nn.Transformer loop:\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def _figures(result: dict) -> str:
@@ -173,22 +233,17 @@ def _pytest(dry_run: bool) -> list[str]:
 
 
 def _benchmark(dry_run: bool, json_path: Path) -> list[str]:
-    """Every section at the base size (a dry run: the data section, tiny)."""
+    """The fixed-shape training step at the base size against torch.nn.Transformer (a dry run: the data
+    section, tiny)."""
     command = [sys.executable, "scripts/benchmark.py", "--json", str(json_path)]
     if dry_run:
         return [*command, "--device", "cpu", "--size", "tiny", "--sections", "data", "--data-pairs", "20000"]
-    return [*command, "--device", "cuda", "--size", "base"]
+    return [*command, "--device", "cuda", "--size", "base", "--sections", "train", "--peers", "torch"]
 
 
-def _training_figures(run_dir: Path) -> dict:
-    """The last logged target tokens/s, model FLOP utilisation and peak memory of a run."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    logged = events.Tags()["scalars"]
-    tags = ("train/tokens_per_s", "train/mfu", "train/peak_mem_gib")
-    return {tag[6:]: round(events.Scalars(tag)[-1].value, 3) for tag in tags if tag in logged}
+def _words(n: int) -> list[str]:
+    """`n` short English sentences for the dry run's translations."""
+    return [f"the house number {i} is small" for i in range(n)]
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = [
     "environment",
+    "loop_eager",
+    "loop_buckets",
+    "loop_peers",
     "gpu_tests",
-    "benchmark",
-    "prepare",
-    "train_eager",
     "translate",
     "translate_cuda_graphs",
-    "train_compiled",
+    "benchmark",
 ]
 
 
@@ -30,7 +30,10 @@ def test_the_dry_run_goes_through_every_step_and_writes_what_comes_back(tmp_path
     results = json.loads((tmp_path / "summary.json").read_text())
     assert list(results) == STEPS and all(r["ok"] for r in results.values()), results
     assert results["translate_cuda_graphs"]["lines_equal"] == "50/50"
-    assert results["train_eager"]["tokens_per_s"] > 0 and results["train_compiled"]["tokens_per_s"] > 0
+    loop = json.loads((tmp_path / "loop.json").read_text())
+    assert [row["run"] for row in loop["rows"]] == ["eager", "buckets", "peer"]
+    assert all(row["steady_tokens_per_s"] > 0 for row in loop["rows"])
+    assert "steady" in results["loop_eager"]["eager"] and "eager / peer:" in done.stdout  # the table, last
     assert json.loads((tmp_path / "benchmark.json").read_text())["meta"]
     log = (tmp_path / "steps.log").read_text()
     assert [line.split(":")[0] for line in log.splitlines() if line.startswith("=====")] == [
@@ -39,6 +42,7 @@ def test_the_dry_run_goes_through_every_step_and_writes_what_comes_back(tmp_path
     # what the device tool brings back: at most 8 plain files
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "benchmark.json",
+        "loop.json",
         "steps.log",
         "summary.json",
         "summary.md",
