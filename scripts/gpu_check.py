@@ -1,11 +1,11 @@
 """Every GPU check of the project in one command, for a GPU machine lent for minutes, in order of value
 (a cut budget loses the last): the real training loop (`benchmark.py --sections loop`: train.py at the
-base size on WMT lengths, eager with length buckets, compiled, without buckets, then the
-torch.nn.Transformer loop on the same batches), the GPU tests, translation with and without CUDA graphs
-compared line by line, and the fixed-shape training step. Each step runs in its own process under
-`timeout -k` inside one budget, so a failure or a timeout costs only that step; the results go to
-`summary.json`, `summary.md` (its table printed last), `benchmark.json`, `loop.json` and `steps.log`
-(every step's output) in --out (default $OUT, else gpu_check/).
+base size on WMT lengths, eager with length buckets, compiled, eager without cuDNN attention, the
+torch.nn.Transformer loop on the same batches, then ours without buckets), the GPU tests, translation
+with and without CUDA graphs compared line by line, and the fixed-shape training step. Each step runs
+in its own process under `timeout -k` inside one budget, so a failure or a timeout costs only that step;
+the results go to `summary.json`, `summary.md` (its table printed last), `benchmark.json`, `loop.json`
+and `steps.log` (every step's output) in --out (default $OUT, else gpu_check/).
 
     python scripts/gpu_check.py                 # on a CUDA machine: about 8 minutes on one H200
     python scripts/gpu_check.py --dry-run       # anywhere: the same steps at toy sizes on the CPU
@@ -73,8 +73,9 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     loop = Loop(check, work / "loop", corpus)
     loop.run("loop_eager", "eager", 120)
     loop.run("loop_compiled", "compiled", 150, compiled=True)
-    loop.run("loop_no_buckets" if not args.dry_run else "loop_buckets", "buckets", 90)
+    loop.run("loop_no_cudnn", "no-cudnn", 90)
     loop.run("loop_peers", "peer,peer-compiled", 180, compiled=True)
+    loop.run("loop_no_buckets" if not args.dry_run else "loop_buckets", "buckets", 90)
     check.run("gpu_tests", _pytest(args.dry_run), 100)
     checkpoint = work / "loop" / "eager" / "checkpoints" / "checkpoint_last.pt"
     if checkpoint.is_file():

@@ -209,6 +209,14 @@ def test_bad_values_fail_before_any_work():
         composed("trainer.save_every_minutes=ten")
     with pytest.raises(ConfigError, match=r"finish.examples='hello' must be a list"):
         composed("finish.examples=hello")
+    with pytest.raises(ConfigError, match=r"trainer.attention_backends=\['fast'\] has \['fast'\]: each must"):
+        composed("trainer.attention_backends=[fast]")
+    with pytest.raises(ConfigError, match=r"needs one besides flash, which takes no padding mask on CUDA"):
+        composed("trainer.attention_backends=[flash]")
+    assert composed("trainer.attention_backends=[flash,efficient]").trainer.attention_backends == [
+        "flash",
+        "efficient",
+    ]
     assert composed("optim.lr_scale=2").optim.lr_scale == 2  # a whole number is a number
     assert composed("name=2024").name == "2024"  # Hydra reads it as a number
     with pytest.raises(

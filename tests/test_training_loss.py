@@ -1,6 +1,7 @@
 """Label-smoothed cross-entropy (§5.4) against explicit math and torch's own cross_entropy."""
 
 import math
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from transformer.data.batching import pad_batch
 from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.training import loss as loss_module
+from transformer.training.distributed import attention_backends
 from transformer.training.loss import Seq2SeqLoss, smoothed_cross_entropy
 
 PAD = 0
@@ -265,20 +267,41 @@ def test_cuda_bf16_autocast_matches_the_unfused_loss_and_cpu_float32():
 
 @pytest.mark.gpu
 def test_cuda_compiled_objective_matches_eager():
+    """The objective compiled as training compiles it (by regions) against eager, in bf16."""
     _cuda_or_skip()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=501, d_model=64, n_heads=4, d_ff=128, n_layers=2, dropout=0.0)
     eager = Seq2SeqLoss(Transformer(cfg), 0.1).cuda()
-    compiled = Seq2SeqLoss(Transformer(cfg), 0.1).cuda()
+    compiled = Seq2SeqLoss(Transformer(cfg), 0.1, chunks=2).cuda()
     compiled.load_state_dict(eager.state_dict())
+    compiled.compile_regions()
+    _assert_same_bf16_step(eager, compiled, nullcontext(), nullcontext())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", [["flash", "efficient"], ["cudnn", "math"], ["math"]])
+def test_cuda_attention_backends_give_the_loss_and_gradients_of_torchs_choice(backends):
+    """trainer.attention_backends: every allowed set gives the step of torch's own choice, in bf16."""
+    _cuda_or_skip()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=501, d_model=64, n_heads=4, d_ff=128, n_layers=2, dropout=0.0)
+    chosen = Seq2SeqLoss(Transformer(cfg), 0.1).cuda()
+    allowed = Seq2SeqLoss(Transformer(cfg), 0.1).cuda()
+    allowed.load_state_dict(chosen.state_dict())
+    _assert_same_bf16_step(chosen, allowed, attention_backends(None), attention_backends(backends))
+
+
+def _assert_same_bf16_step(reference: Seq2SeqLoss, other: Seq2SeqLoss, *contexts) -> None:
+    """One bf16 forward and backward of each on the same padded batch: equal within bf16 noise."""
     src, tgt = torch.randint(4, 501, (8, 16), device="cuda"), torch.randint(4, 501, (8, 16), device="cuda")
+    src[2, 11:] = PAD
     tgt[1, 9:] = PAD
     losses = []
-    for module in (eager, torch.compile(compiled, dynamic=False)):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    for module, context in zip((reference, other), contexts):
+        with context, torch.autocast("cuda", dtype=torch.bfloat16):
             loss, _, _ = module(src, tgt, tgt)
-        loss.backward()
+            loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=0.0)
-    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+    for (name, p), q in zip(reference.named_parameters(), other.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0.05, atol=0.02 * p.grad.abs().max().item(), msg=name)

@@ -636,6 +636,37 @@ def test_nonfinite_loss_skips_the_update_and_stops_the_run_when_it_persists(
         train(compose_config(args))
 
 
+class _AttentionKernels(TorchDispatchMode):
+    """Records the fused attention kernels that run (on a CPU, flash's; math decomposes into matmuls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in str(func):
+            self.seen.add(str(func).split(".")[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "backends, expected", [(None, {"_scaled_dot_product_flash_attention_for_cpu"}), ("[math]", set())]
+)
+def test_training_steps_attend_with_the_backends_of_trainer_attention_backends(
+    corpus, tmp_path, backends, expected
+):
+    """torch's choice by default (on a CPU its flash kernel); trainer.attention_backends=[math] keeps
+    every training step to the written-out math; a backend the CPU lacks is refused before any work."""
+    args = ["trainer.max_steps=2", "trainer.eval_every_steps=0", "trainer.cpu_kernels=off"]
+    chosen = [] if backends is None else [f"trainer.attention_backends={backends}"]
+    kernels = _AttentionKernels()
+    with kernels:
+        train(compose_config(overrides(corpus, tmp_path, *args, *chosen)))
+    assert {name.removesuffix("_backward") for name in kernels.seen} == expected
+    with pytest.raises(ConfigError, match=r"on a CPU torch's attention has flash and math only"):
+        train(compose_config(overrides(corpus, tmp_path / "x", *args, "trainer.attention_backends=[cudnn]")))
+
+
 class _NoDeviceReads(TorchDispatchMode):
     """Fails on any read of a tensor's value by the host (`.item()`, `float()`, `bool()`: on a GPU, a
     wait for the device)."""

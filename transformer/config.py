@@ -58,6 +58,8 @@ INIT_SCHEMES = ("t2t", "fairseq", "xavier")
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 # trainer.length_buckets when unset, by device type; else 0: off (docs/performance.md, "Few batch shapes")
 LENGTH_BUCKETS = {"cuda": 12}
+# torch's scaled_dot_product_attention backends; flash takes no padding mask (training has them)
+ATTENTION_BACKENDS = ("flash", "efficient", "cudnn", "math")
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
 EXPORT_FORMATS = ("ctranslate2", "huggingface")
@@ -293,7 +295,9 @@ class TrainerConfig(DeviceConfig):
     # lengths, and the rows that length fits in a batch; None: LENGTH_BUCKETS by device (CUDA 12, a CPU 0:
     # off, the tightest batches), and a resumed run keeps its checkpoint's
     length_buckets: int | None = None
-    compile: bool = False  # torch.compile the model and loss, with dynamic shapes
+    compile: bool = False  # torch.compile by regions (each layer, the loss), with dynamic shapes
+    # the backends torch's fused attention may choose among, e.g. [flash, efficient]; None: torch's choice
+    attention_backends: list[str] | None = None
     save_every_steps: int = 1000  # 0 = off
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
     keep_last: int = 20  # numbered checkpoints kept (averaging takes up to 20, §6.1)
@@ -334,6 +338,17 @@ class TrainerConfig(DeviceConfig):
             self.length_buckets is None or self.length_buckets >= 0, "length_buckets", "must be >= 0"
         )
         self.require_choice("best_metric", ("loss", "bleu"))
+        if self.attention_backends is not None:
+            unknown = sorted(set(self.attention_backends) - set(ATTENTION_BACKENDS))
+            self.require(
+                not unknown, "attention_backends", f"has {unknown}: each must be {one_of(ATTENTION_BACKENDS)}"
+            )
+            masked = set(self.attention_backends) - {"flash"}
+            self.require(
+                bool(masked),
+                "attention_backends",
+                "needs one besides flash, which takes no padding mask on CUDA",
+            )
         validations = self.bleu_every_steps if self.best_metric == "bleu" else self.eval_every_steps
         every = "trainer.bleu_every_steps" if self.best_metric == "bleu" else "trainer.eval_every_steps"
         if self.best_metric == "bleu" or self.patience:  # loss without validations: no best checkpoint

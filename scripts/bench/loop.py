@@ -34,7 +34,7 @@ from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = ("eager", "compiled", "buckets", "peer", "peer-compiled")  # in order of value
+RUNS = ("eager", "compiled", "no-cudnn", "buckets", "peer", "peer-compiled")
 HIDDEN = ("steady_from", "steady_to", "trainer")  # a row's working figures, not reported
 
 
@@ -91,13 +91,18 @@ def train_overrides(args: argparse.Namespace, data: DataConfig, cfg: ModelConfig
 def run_ours(
     args: argparse.Namespace, data: DataConfig, cfg: ModelConfig, work: Path, name: str
 ) -> dict[str, Any]:
-    """One train.py process: `eager`, `compiled` (trainer.compile=true) or `buckets` (the length buckets
-    the device does not use by default: 12 on a CPU, none on CUDA)."""
+    """One train.py process: `eager`, `compiled` (trainer.compile=true), `no-cudnn` (attention without
+    the cuDNN backend) or `buckets` (the length buckets the device does not use by default: 12 on a CPU,
+    none on CUDA)."""
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    extra = {"eager": [], "compiled": ["trainer.compile=true"]}.get(name)
-    if extra is None:
-        extra = [f"trainer.length_buckets={0 if args.device == 'cuda' else 12}"]
+    cuda = args.device == "cuda"
+    extra = {
+        "eager": [],
+        "compiled": ["trainer.compile=true"],
+        "no-cudnn": [f"trainer.attention_backends=[flash,{'efficient' if cuda else 'math'}]"],
+        "buckets": [f"trainer.length_buckets={0 if cuda else 12}"],
+    }[name]
     command = [sys.executable, str(ROOT / "train.py"), *train_overrides(args, data, cfg, run_dir), *extra]
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
     with GpuBusy(args.device) as busy:

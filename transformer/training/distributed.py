@@ -16,12 +16,14 @@ Only rank 0 prepares the corpus and writes checkpoints; every rank reads them, s
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer.config import ConfigError, TrainerConfig
@@ -69,6 +71,15 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast use TF32 tensor cores
+    if (
+        device.type == "cpu"
+        and cfg.attention_backends is not None
+        and not {"flash", "math"} & set(cfg.attention_backends)
+    ):
+        raise ConfigError(
+            f"trainer.attention_backends={cfg.attention_backends}: on a CPU torch's attention has flash "
+            "and math only; name one of them or leave the setting unset"
+        )
     runtime = Runtime(rank, world_size, device, dtype, Kernels.choose(device, cfg.cpu_kernels))
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -102,6 +113,20 @@ def wrap(objective: Seq2SeqLoss, runtime: Runtime, compile: bool) -> nn.Module:
         # The model has no running statistics: its only buffer (the sinusoid table) needs no broadcast.
         return DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
     return objective
+
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def attention_backends(names: list[str] | None) -> AbstractContextManager:
+    """Where training lets torch's fused attention choose among these backends only
+    (trainer.attention_backends); None: among all, torch's choice."""
+    return nullcontext() if names is None else sdpa_kernel([SDPA_BACKENDS[name] for name in names])
 
 
 def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:

@@ -27,7 +27,13 @@ from transformer.config import ConfigError, TrainConfig, TrainerConfig
 from transformer.kernels import Kernels
 from transformer.training.bleu import ValidText, load_valid_text, valid_bleu
 from transformer.training.corpus import batches_forever, load_corpus
-from transformer.training.distributed import Runtime, all_reduce_sum, init_runtime, shutdown
+from transformer.training.distributed import (
+    Runtime,
+    all_reduce_sum,
+    attention_backends,
+    init_runtime,
+    shutdown,
+)
 from transformer.training.monitor import Monitor, bf16_peak_flops
 from transformer.training.policy import Decision, Policy
 from transformer.training.state import Run, start_run
@@ -66,7 +72,7 @@ def train(cfg: TrainConfig) -> Path:
             run_dir, runtime.is_main, trainer.progress, steps, trainer.log_every_steps, runtime.device, peak
         )
         policy, micro = Policy(trainer, runtime, run.step), None
-        with monitor, policy, logging_redirect_tqdm():
+        with monitor, policy, attention_backends(trainer.attention_backends), logging_redirect_tqdm():
             _log_start(run, accum)  # from here on a signal stops the run cleanly
             while run.step < trainer.max_steps and not run.early_stopped:
                 micro = micro or [next(batches) for _ in range(accum)]
@@ -194,7 +200,8 @@ def _log_start(run: Run, accum: int) -> None:
     batch = trainer.batch_tokens(runtime.world_size)
     log.info(
         "%s on %s x%d (%s; CPU kernels: %s): %s parameters; %d batch(es) of <= %d padded tokens per rank "
-        "per step, <= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d); length buckets: %s",
+        "per step, <= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d); length buckets: %s; "
+        "attention backends: %s",
         run.run_dir,
         runtime.device,
         runtime.world_size,
@@ -207,4 +214,5 @@ def _log_start(run: Run, accum: int) -> None:
         trainer.tokens_per_step,
         trainer.max_tokens,
         " ".join(map(str, run.sampler.buckets)) if run.sampler.buckets else "none",
+        ", ".join(trainer.attention_backends or ["torch's choice"]),
     )
