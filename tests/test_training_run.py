@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -379,6 +380,27 @@ def test_sigterm_during_a_compile_stops_at_once_and_keeps_the_last_checkpoint(co
     assert "SIGTERM received while compiling: stopped at once" in output and "Traceback" not in output
     assert "step 3:" not in output and [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_2.pt"]
     assert last.read_bytes() == written
+
+
+@pytest.mark.parametrize("unsaved_steps", [0, 1])
+def test_a_signal_before_a_compile_stops_at_once_only_when_nothing_is_unsaved(unsaved_steps):
+    """SIGTERM, then a compile in the same step: with no step since the last checkpoint the compile is
+    cut short (TrainingStopped at once); with one, the compile and the step finish, to be saved."""
+    from transformer.config import TrainerConfig
+    from transformer.kernels import Kernels
+    from transformer.training.distributed import Runtime
+
+    runtime = Runtime(0, 1, torch.device("cpu"), torch.float32, Kernels())
+    rule = policy.Policy(TrainerConfig(), runtime, step=7)
+    compiled = torch.compile(lambda x: x.sin() + 1, backend="eager")
+    torch._dynamo.reset()
+    with pytest.raises(TrainingStopped, match="stopped at step 7") if not unsaved_steps else nullcontext():
+        with rule:
+            if unsaved_steps:
+                rule.after_step(8, {"finite": True}, False, False)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert compiled(torch.ones(3)).tolist() == pytest.approx([1 + math.sin(1)] * 3)  # compiled, run
+    assert rule.received == "SIGTERM" and rule.requests()[0] == 1.0  # the stop after this step stands
 
 
 def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(corpus, tmp_path, monkeypatch):

@@ -8,9 +8,10 @@
 - a checkpoint: every `trainer.save_every_steps` steps or `trainer.save_every_minutes` minutes, after
   the last step, and before a stop (an interim one, which the resumed run's next checkpoint replaces);
 - a stop: SIGTERM or Ctrl-C (on any rank) stops the run after the current step's checkpoint, with
-  `TrainingStopped`; during a `torch.compile` (minutes on a GPU) at once, from the last checkpoint;
-  a non-finite loss or gradient skips the update, and `trainer.max_nonfinite_steps`
-  of them in a row stop the run with `TrainingError`.
+  `TrainingStopped`; during a `torch.compile` (minutes on a GPU) with no step since the last checkpoint,
+  at once (on CUDA a backward compiled in autograd's device thread finishes first); a non-finite loss
+  or gradient skips the update, and `trainer.max_nonfinite_steps` of them in a row stop the run with
+  `TrainingError`.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Policy:
     def __init__(self, trainer: TrainerConfig, runtime: Runtime, step: int) -> None:
         self.trainer, self.runtime = trainer, runtime
         self.step = step  # the last finished step
+        self.saved_step = step  # the step of the last checkpoint (or of the start)
         self.received: str | None = None  # the signal this rank received
         self.compiling = False  # inside torch.compile: a signal stops the run at once
         self.last_save = time.monotonic()
@@ -127,7 +129,7 @@ class Policy:
         )
 
     def saved(self) -> None:
-        self.last_save = time.monotonic()
+        self.last_save, self.saved_step = time.monotonic(), self.step
 
     def stop(self, step: int) -> None:
         """After the checkpoint of `step`: every rank waits until rank 0 has written it (torchrun stops,
@@ -171,17 +173,22 @@ class Policy:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
-        if self.compiling:
+        if self.compiling and self._nothing_unsaved():
             raise _StopNow
         log.warning("%s received: saving a checkpoint after this step", self.received)
 
-    def _compile_starts(self, _args: object) -> None:
+    def _compile_starts(self, *_args: object) -> None:
         self.compiling = True
-        if self.received is not None and threading.current_thread() is threading.main_thread():
-            raise _StopNow  # the signal came between two compiles of one step
+        main = threading.current_thread() is threading.main_thread()  # Python raises nowhere else
+        if self.received is not None and main and self._nothing_unsaved():
+            raise _StopNow  # the signal came before this compile, in the same step
 
-    def _compile_ends(self, _args: object) -> None:
+    def _compile_ends(self, *_args: object) -> None:
         self.compiling = False
+
+    def _nothing_unsaved(self) -> bool:
+        """No step finished since the last checkpoint (or the start): stopping now loses nothing."""
+        return self.step == self.saved_step
 
     def __exit__(self, kind: type[BaseException] | None, *_exc: object) -> None:
         for signum, handler in self._previous.items():
@@ -191,8 +198,8 @@ class Policy:
             compile_callbacks.callback_handler.remove_end_callback(self._compile_ends)
         if kind is _StopNow:
             log.warning(
-                "%s received while compiling: stopped at once; the run resumes from its checkpoint of step "
-                "%d or before (trainer.resume=auto)",
+                "%s received while compiling: stopped at once, nothing unsaved (step %d; trainer.resume=auto "
+                "goes on from there)",
                 self.received,
                 self.step,
             )
