@@ -207,6 +207,20 @@ def test_a_bucketed_run_records_its_buckets_and_resumes_onto_the_same_batches(co
     assert load_checkpoint(parts / "checkpoints" / "checkpoint_9.pt")["batching"] == {"buckets": None}
 
 
+def test_recorded_buckets_that_the_corpus_outgrew_are_refused_with_what_to_do(
+    corpus, uninterrupted, tmp_path
+):
+    """A checkpoint whose buckets no longer hold the corpus's longest pair (the data changed) stops the
+    resumed run before any step, naming the setting that batches it anew."""
+    ckpt = load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_7.pt")
+    ckpt["batching"] = {"buckets": [2]}
+    write_checkpoint(ckpt, tmp_path / "old.pt")
+    args = overrides(corpus, tmp_path / "run", "trainer.max_steps=8", f"trainer.resume={tmp_path / 'old.pt'}")
+    with pytest.raises(ConfigError, match=r"length buckets \[2\] do not hold the corpus's longest pair "
+                       r".* set trainer.length_buckets to batch it anew"):  # fmt: skip
+        train(compose_config(args))
+
+
 def test_a_checkpoint_from_before_buckets_resumes_onto_the_batches_it_had(
     corpus, uninterrupted, tmp_path, monkeypatch
 ):

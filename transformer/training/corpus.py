@@ -63,6 +63,13 @@ def _buckets(
     recorded = None if resumed is None else (resumed.get("batching") or {"buckets": None})["buckets"]
     n = trainer.length_buckets
     if n is None and resumed is not None:
+        sides = (train.src_lengths, train.tgt_lengths)
+        longest = max(int(padded_length(side.max(initial=0), trainer.pad_to_multiple)) for side in sides)
+        if recorded is not None and recorded[-1] < longest:
+            raise ConfigError(
+                f"the checkpoint's length buckets {recorded} do not hold the corpus's longest pair "
+                f"({longest} padded tokens; the data changed?): set trainer.length_buckets to batch it anew"
+            )
         return recorded
     if n is None:
         n = LENGTH_BUCKETS.get(runtime.device.type, 0)
