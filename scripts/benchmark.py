@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train": lambda: section_train(args, cfg, setup, peers, notes, lambda train: keep({"train": train})),
         "decode": lambda: section_decode(args, cfg, setup, peers, notes),
         "data": lambda: section_data(args),
-        "loop": lambda: section_loop(args, cfg),
+        "loop": lambda: section_loop(args, cfg, lambda loop: keep({"loop": loop})),
     }
     failed = []
     for name in args.sections:  # each printed and written as it ends: a kill keeps what was measured

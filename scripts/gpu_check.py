@@ -1,9 +1,10 @@
 """Every GPU check of the project in one command, for a GPU machine lent for minutes, in order of value
 (a cut budget loses the last): the real training loop (`benchmark.py --sections loop`: train.py at the
-base size on WMT lengths, eager with length buckets, compiled, eager without cuDNN attention, the
-torch.nn.Transformer loop on the same batches, then ours without buckets), the GPU tests, translation
-with and without CUDA graphs compared line by line, and the fixed-shape training step. Each step runs
-in its own process under `timeout -k` inside one budget, so a failure or a timeout costs only that step;
+base size on WMT lengths, eager with length buckets and compiled), the GPU tests, more of the loop
+(eager without cuDNN attention, the torch.nn.Transformer loop on the same batches, ours without
+buckets), translation with and without CUDA graphs compared line by line, and the fixed-shape step.
+Each step runs in its own process under `timeout -k` inside one budget, so a failure or a timeout costs
+only that step (a loop step keeps the runs it finished);
 the results go to `summary.json`, `summary.md` (its table printed last), `benchmark.json`, `loop.json`
 and `steps.log` (every step's output) in --out (default $OUT, else gpu_check/).
 
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=Path("data/wmt_sample_raw"), help="loop corpus")
     parser.add_argument("--prepared", type=Path, default=Path("data/bench_loop37k"), help="it prepared")
     args = parser.parse_args()
+    args.out = args.out.resolve()  # the steps run in the checkout's root
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "steps.log").unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
@@ -73,10 +75,10 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     loop = Loop(check, work / "loop", corpus)
     loop.run("loop_eager", "eager", 120)
     loop.run("loop_compiled", "compiled", 150, compiled=True)
+    check.run("gpu_tests", _pytest(args.dry_run), 100)  # compiled regions, attention backends, graphs
     loop.run("loop_no_cudnn", "no-cudnn", 90)
     loop.run("loop_peers", "peer,peer-compiled", 180, compiled=True)
     loop.run("loop_no_buckets" if not args.dry_run else "loop_buckets", "buckets", 90)
-    check.run("gpu_tests", _pytest(args.dry_run), 100)
     checkpoint = work / "loop" / "eager" / "checkpoints" / "checkpoint_last.pt"
     if checkpoint.is_file():
         source = work / "source.txt"
@@ -111,8 +113,9 @@ class Loop:
             command += ["--device", "cpu", "--size", "tiny", "--threads", "1", "--loop-steps", "2,2"]
         else:
             command += ["--device", "cuda", "--size", "base"]
-        if self.check.run(name, command, timeout) and out.is_file():
-            loop = json.loads(out.read_text())["loop"]
+        self.check.run(name, command, timeout)
+        loop = json.loads(out.read_text()).get("loop") if out.is_file() else None  # its finished runs
+        if loop is not None:
             self.rows += loop["rows"]
             for row in loop["rows"]:
                 self.check.results[name][row["run"]] = _loop_figures(row)

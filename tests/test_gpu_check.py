@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = [
     "environment",
     "loop_eager",
+    "gpu_tests",
     "loop_no_cudnn",
     "loop_peers",
     "loop_buckets",
-    "gpu_tests",
     "translate",
     "translate_cuda_graphs",
     "benchmark",

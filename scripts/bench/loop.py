@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,9 @@ def run_peer(
     buckets): forward, backward, Adam and one read of the loss per step, timed from its loop's start
     (model built, data open); compiled as a user would, `torch.compile(model)`."""
     device = torch.device(args.device)
+    if device.type == "cuda":  # this peer's peak, not an earlier one's
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     trainer = from_dict(TrainerConfig, ours["trainer"])
     train = ShardDataset(Path(data.dir), "train")
     sampler = TokenBudgetBatchSampler(
@@ -233,13 +236,22 @@ class GpuBusy:
         return sum(inside) / len(inside) if inside else None
 
 
-def section_loop(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
-    """The runs of --loop-runs, in that order; a peer run takes the batches of ours' eager run (an
-    earlier one's in --loop-work, else it runs first)."""
+def section_loop(args: argparse.Namespace, cfg: ModelConfig, keep: Callable[[dict], None]) -> dict[str, Any]:
+    """The runs of --loop-runs, in that order, each kept (`keep`) as it ends; a peer run takes the
+    batches of ours' eager run (an earlier one's in --loop-work, else it runs first)."""
     with tempfile.TemporaryDirectory(prefix="bench_loop_") as tmp:
         work = args.loop_work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         data = loop_data(args, work)
+        meta = load_meta(data.dir)
+        result = {
+            "corpus": str(args.loop_corpus or "synthetic WMT-like lengths"),
+            "pairs": meta["splits"]["train"]["pairs"],
+            "vocab_size": meta["vocab_size"],
+            "first_steps": args.loop_steps[0],
+            "steady_steps": args.loop_steps[1],
+            "rows": [],
+        }
         rows = []
         for name in args.loop_runs:
             if name.startswith("peer"):
@@ -248,19 +260,12 @@ def section_loop(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
                 rows.append(run_peer(args, data, cfg, ours, compiled=name == "peer-compiled"))
             else:
                 rows.append(run_ours(args, data, cfg, work, name))
-    first, steady = args.loop_steps
-    meta = load_meta(data.dir)
-    peer = next((r["steady_tokens_per_s"] for r in rows if r["run"] == "peer-compiled"), None)
-    for row in rows:
-        row["over_peer_compiled"] = row["steady_tokens_per_s"] / peer if peer else None
-    return {
-        "corpus": str(args.loop_corpus or "synthetic WMT-like lengths"),
-        "pairs": meta["splits"]["train"]["pairs"],
-        "vocab_size": meta["vocab_size"],
-        "first_steps": first,
-        "steady_steps": steady,
-        "rows": [{k: v for k, v in row.items() if k not in HIDDEN} for row in rows],
-    }
+            peer = next((r["steady_tokens_per_s"] for r in rows if r["run"] == "peer-compiled"), None)
+            for row in rows:
+                row["over_peer_compiled"] = row["steady_tokens_per_s"] / peer if peer else None
+            result["rows"] = [{k: v for k, v in row.items() if k not in HIDDEN} for row in rows]
+            keep(result)  # a run cut short later keeps this one's figures
+    return result
 
 
 def _batching(run_dir: Path) -> dict[str, Any] | None:
