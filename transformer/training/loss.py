@@ -10,7 +10,8 @@ training loop divides by the non-pad target tokens of the whole optimizer step (
 batches on all ranks), so the result does not depend on how a step is split into batches.
 
 The loss takes the final decoder states and the output projection's weight, not logits: the (N, V)
-logits exist for CHUNK_ROWS rows at a time, each chunk's gradient computed at once
+logits exist for one chunk of rows at a time (CHUNK_ROWS at most in training), each chunk's gradient
+computed at once
 (docs/performance.md, "The loss makes the output projection itself"), its products made by the
 `kernels.Products` the training hands in (plain `F.linear` by default).
 """

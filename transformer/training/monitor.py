@@ -136,9 +136,7 @@ class Monitor:
             "train/tokens_per_s": sums["tokens"] / seconds,  # target tokens, all ranks together
             "train/tokens_per_step": sums["tokens"] / steps,  # real ones (§5.1: about 25,000)
         }
-        for key in sorted(
-            sums.keys() - {"loss", "nll", "tokens", "lr", "grad_norm", "flops", "seconds", "steps"}
-        ):
+        for key in sorted(sums.keys() - STEP_FIGURES):
             scalars[f"train/{key}"] = sums[key] / steps  # the objective's figures
         if self.peak_flops:  # this rank's model FLOP/s against its card's dense bf16 peak
             scalars["train/mfu"] = sums["flops"] / seconds / self.peak_flops
