@@ -44,7 +44,8 @@ def loop_data(args: argparse.Namespace, work: Path) -> DataConfig:
     raw = args.loop_corpus
     if raw is None:
         raw = work / "synthetic"
-        write_synthetic(raw, 2_000 if args.size == "tiny" else 50_000, args.seed)
+        # a quarter as many words as BPE pieces: each word one piece (measured), the lengths WMT-like
+        write_synthetic(raw, 2_000 if args.size == "tiny" else 50_000, args.loop_vocab // 4, args.seed)
     src_lang, tgt_lang = args.langs.split(",")
     cfg = DataConfig(
         name="bench_loop",
@@ -61,12 +62,12 @@ def loop_data(args: argparse.Namespace, work: Path) -> DataConfig:
     return cfg
 
 
-def write_synthetic(out: Path, pairs: int, seed: int) -> None:
-    """`pairs` sentence pairs of random words (a 60,000-word lexicon) with WMT-like lengths."""
+def write_synthetic(out: Path, pairs: int, words: int, seed: int) -> None:
+    """`pairs` sentence pairs of random words (a lexicon of `words`) with WMT-like lengths in words."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-    lexicon = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(60_000)]
+    lexicon = ["".join(rng.choice(letters, rng.integers(3, 9))) for _ in range(words)]
     src, tgt = wmt_like_lengths(pairs, seed, max_len=120)
     for lang, lengths in (("en", src), ("de", tgt)):
         lines = (" ".join(lexicon[i] for i in rng.integers(0, len(lexicon), n)) for n in lengths)
