@@ -15,6 +15,7 @@ Only rank 0 prepares the corpus and writes checkpoints; every rank reads them, s
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -163,5 +164,9 @@ def wait_for_main(runtime: Runtime) -> None:
 
 
 def shutdown(runtime: Runtime) -> None:
+    """Leave the process group, with the DDP wrapper already dropped by the caller. The reducer must
+    not hold the group's last reference: its destructor, run with the GIL held, joins gloo's worker
+    threads, which may need the GIL to free a collective's tensor (a hang seen about 1 run in 5)."""
     if runtime.distributed and dist.is_initialized():
+        gc.collect()  # the dropped wrapper's reference cycles, and with them its reducer
         dist.destroy_process_group()

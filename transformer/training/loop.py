@@ -95,6 +95,7 @@ def train(cfg: TrainConfig) -> Path:
             policy.after_last_step(run.step)
         return run_dir
     finally:
+        objective = None  # DDP's reducer goes before the process group does (distributed.shutdown)
         shutdown(runtime)
 
 
