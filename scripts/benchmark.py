@@ -12,9 +12,10 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
           nn.Transformer  torch.nn.Transformer + one shared embedding (x sqrt(d_model)), sinusoidal
                           positions and the tied output projection (§3.4-3.5),
           Marian (HF)     Hugging Face MarianMTModel built from a MarianConfig of the same dims (sdpa),
-        each eager and under torch.compile (ours with dynamic shapes, as training compiles it; the peers with
-        static shapes; `--no-compile` skips compiling). Reported: target tokens/s (median of `--steps` steps,
-        the models interleaved step by step so a busy machine slows all alike), FLOPs counted by
+        each eager and under torch.compile (ours by regions with dynamic shapes, as training compiles
+        it; the peers whole with static shapes; `--no-compile` skips compiling). Reported: target tokens/s
+        (median of `--steps` steps, the models interleaved step by step so a busy machine slows all alike),
+        FLOPs counted by
         torch.utils.flop_counter on one eager step, model FLOP utilisation against a matmul peak measured in
         this run (bf16 on CUDA, fp32 on the CPU), the step's peak memory above the resident weights and Adam
         state (CUDA allocator; sampled RSS on the CPU) and with them, and ours / peer. Then the eager models
