@@ -61,19 +61,19 @@ def _loss_and_grads(
     chunks = max(1, -(-n_rows // CHUNK_ROWS)) if chunks is None else chunks
     extra = -n_rows % chunks  # (N + extra) rows: `chunks` chunks of equal size
     loss, nll_sum = states.new_zeros((), dtype=total), states.new_zeros((), dtype=total)
-    grad_states = states.new_empty(n_rows + extra, states.size(1)) if grads else None
-    grad_weight = torch.zeros_like(weight, dtype=total) if grads else None
     with torch.autocast(device, enabled=False) if autocast else nullcontext():  # dtypes set here
         h = F.pad(states.to(dtype), (0, 0, 0, extra)).unflatten(0, (chunks, -1))  # (chunks, n, d)
+        grad_states = states.new_empty(h.shape[:2] + states.shape[1:]) if grads else None  # (chunks, n, d)
+        grad_weight = torch.zeros_like(weight, dtype=total) if grads else None
         target = F.pad(target, (0, extra), value=ignore_index).unflatten(0, (chunks, -1))  # (chunks, n)
         w = weight.to(dtype)
         for i in range(chunks):
             chunk = _chunk(h[i], w, target[i], target[i] != ignore_index, epsilon, total, grads, products)
             loss, nll_sum = loss + chunk[0], nll_sum + chunk[1]
             if grads:
-                grad_states.unflatten(0, (chunks, -1))[i] = chunk[2]
+                grad_states[i] = chunk[2]
                 grad_weight.add_(chunk[3])
-    return loss, nll_sum, None if grad_states is None else grad_states[:n_rows], grad_weight
+    return loss, nll_sum, None if grad_states is None else grad_states.flatten(0, 1)[:n_rows], grad_weight
 
 
 def _chunk(
