@@ -40,7 +40,7 @@ def load_corpus(cfg: TrainConfig, runtime: Runtime, resumed: dict[str, Any] | No
     data_dir = Path(cfg.data.dir)
     meta = load_meta(data_dir)
     train = ShardDataset(data_dir, "train")
-    check_lengths(train, trainer.pad_to_multiple, cfg.model.max_positions)
+    longest = check_lengths(train, trainer.pad_to_multiple, cfg.model.max_positions)
     sampler = TokenBudgetBatchSampler(
         train.src_lengths,
         train.tgt_lengths,
@@ -49,22 +49,25 @@ def load_corpus(cfg: TrainConfig, runtime: Runtime, resumed: dict[str, Any] | No
         rank=runtime.rank,
         world_size=runtime.world_size,
         pad_to_multiple=trainer.pad_to_multiple,
-        buckets=_buckets(trainer, runtime, train, resumed),
+        buckets=_buckets(trainer, runtime, train, resumed, longest),
     )
     valid = valid_batches(data_dir, meta, trainer, runtime, cfg.model.max_positions)
     return Corpus(meta, (data_dir / SPM_FILE).read_bytes(), train, sampler, valid)
 
 
 def _buckets(
-    trainer: TrainerConfig, runtime: Runtime, train: ShardDataset, resumed: dict[str, Any] | None
+    trainer: TrainerConfig,
+    runtime: Runtime,
+    train: ShardDataset,
+    resumed: dict[str, Any] | None,
+    longest: int,
 ) -> list[int] | None:
     """The length buckets of this run (trainer.length_buckets): a resumed run's are its checkpoint's (one
-    from before buckets had none), so that it goes on with the very batches it would have had."""
+    from before buckets had none), so that it goes on with the very batches it would have had; `longest`:
+    the padded length of the train split's longest pair (`check_lengths`)."""
     recorded = None if resumed is None else (resumed.get("batching") or {"buckets": None})["buckets"]
     n = trainer.length_buckets
     if n is None and resumed is not None:
-        sides = (train.src_lengths, train.tgt_lengths)
-        longest = max(int(padded_length(side.max(initial=0), trainer.pad_to_multiple)) for side in sides)
         if recorded is not None and recorded[-1] < longest:
             raise ConfigError(
                 f"the checkpoint's length buckets {recorded} do not hold the corpus's longest pair "
@@ -96,9 +99,9 @@ def batches_forever(
             yield dataset.batch(indices, pad, sampler.batch_shape(indices)).to(device, non_blocking=True)
 
 
-def check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: int) -> None:
+def check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: int) -> int:
     """A pair longer than the positional table would fail at its first batch, maybe hours into the run;
-    the lengths are at hand, so it fails now."""
+    the lengths are at hand, so it fails now. Returns the positions the longest pair is padded to."""
     longest = int(max(dataset.src_lengths.max(), dataset.tgt_lengths.max()))  # pieces
     positions = padded_length(longest, pad_to_multiple)  # as the batches pad it
     if positions > max_positions:
@@ -108,6 +111,7 @@ def check_lengths(dataset: ShardDataset, pad_to_multiple: int, max_positions: in
             f"model.max_positions={max_positions}; raise model.max_positions or prepare the data with a "
             "lower data.max_tokens_per_sentence"
         )
+    return positions
 
 
 def valid_batches(
