@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from transformer.config import DataConfig, ModelConfig, TrainerConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import prepare
+from transformer.training.corpus import batches_forever
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("eager", "compiled", "no-cudnn", "buckets", "peer", "peer-compiled")
@@ -147,17 +148,15 @@ def run_peer(
     peer = TorchTransformerPeer(ModelConfig(**dims, vocab_size=vocab), 0.1).to(device).train()
     optimizer = torch.optim.Adam(peer.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     run = torch.compile(peer) if compiled else peer
-    batches = _forever(sampler)
+    batches = batches_forever(sampler, train, trainer.pad_to_multiple, device)  # as train.py reads them
     first, steady = args.loop_steps
     with GpuBusy(args.device) as busy:
         start, steps = time.time(), []
         for _ in range(first + steady):
-            indices = [next(batches) for _ in range(trainer.grad_accum(1))]
-            micro = [train.batch(i, trainer.pad_to_multiple, sampler.batch_shape(i)) for i in indices]
+            micro = [next(batches) for _ in range(trainer.grad_accum(1))]
             tokens = sum(batch.n_tgt_tokens for batch in micro)
             total = torch.zeros((), device=device)
             for batch in micro:
-                batch = batch.to(device, non_blocking=True)
                 with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
                     loss = run(batch.src, batch.tgt_in, batch.tgt_out)
                 (loss / tokens).backward()
@@ -170,11 +169,6 @@ def run_peer(
     row["gpu_busy"] = busy.share(row["steady_from"], row["steady_to"])
     row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return row
-
-
-def _forever(sampler: TokenBudgetBatchSampler) -> Iterator[list[int]]:
-    while True:
-        yield from sampler
 
 
 def _windows(
