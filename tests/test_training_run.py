@@ -755,8 +755,9 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
 
 @pytest.mark.gpu
 def test_on_a_gpu_a_step_is_queued_without_waiting_for_the_device(corpus, tmp_path, monkeypatch):
-    """CUDA's own check around every `_queue_step` (bf16 autocast, as a GPU run trains): no call in it
-    waits for the device, so the host reads the next batches while the step runs."""
+    """CUDA's own check around every `queue_step` (bf16 autocast, as a GPU run trains; without CUDA
+    graphs, whose recordings wait: test_training_graphs has theirs): no call in it waits for the device,
+    so the host reads the next batches while the step runs."""
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -771,7 +772,12 @@ def test_on_a_gpu_a_step_is_queued_without_waiting_for_the_device(corpus, tmp_pa
             queued.append(True)
 
     monkeypatch.setattr(loop, "queue_step", strict)
-    args = ["trainer.max_steps=3", "trainer.eval_every_steps=0", "trainer.device=cuda"]
+    args = [
+        "trainer.max_steps=3",
+        "trainer.eval_every_steps=0",
+        "trainer.device=cuda",
+        "trainer.cuda_graphs=false",
+    ]
     train(compose_config(overrides(corpus, tmp_path, *args, "trainer.precision=bf16")))
     assert len(queued) == 3
 

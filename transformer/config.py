@@ -298,6 +298,9 @@ class TrainerConfig(DeviceConfig):
     compile: bool = False  # torch.compile by regions (each layer, the loss), with dynamic shapes
     # the backends torch's fused attention may choose among, e.g. [flash, efficient]; None: torch's choice
     attention_backends: list[str] | None = None
+    # each step CUDA graph replays, a graph per batch shape (transformer/training/graphs.py); None: on
+    # CUDA where it can be (length buckets, one process, no mixture of experts)
+    cuda_graphs: bool | None = None
     save_every_steps: int = 1000  # 0 = off
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
     keep_last: int = 20  # numbered checkpoints kept (averaging takes up to 20, §6.1)

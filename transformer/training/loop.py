@@ -34,6 +34,7 @@ from transformer.training.distributed import (
     init_runtime,
     shutdown,
 )
+from transformer.training.graphs import StepGraphs, use_cuda_graphs
 from transformer.training.monitor import Monitor, bf16_peak_flops
 from transformer.training.policy import Decision, Policy
 from transformer.training.state import Run, start_run
@@ -49,6 +50,7 @@ def train(cfg: TrainConfig) -> Path:
     run_dir = Path(trainer.run_dir)
     _check_resume_setting(trainer, run_dir)
     runtime = init_runtime(trainer)
+    use_cuda_graphs(cfg, runtime, trainer.length_buckets != 0)  # a mistake, said before the data loads
     if runtime.is_main and checkpoint_dir(run_dir).is_dir():
         remove_temp_files(checkpoint_dir(run_dir))  # of a save that a kill interrupted
     try:
@@ -61,6 +63,8 @@ def train(cfg: TrainConfig) -> Path:
         run, objective = start_run(cfg, runtime, corpus.sampler, corpus.meta, corpus.spm_model)
         if found is not None:
             run.restore(*found)
+        use_graphs = use_cuda_graphs(cfg, runtime, bool(corpus.sampler.buckets))
+        graphs = StepGraphs(run, objective) if use_graphs else None  # made after restore: its rate tensor
         accum = trainer.grad_accum(runtime.world_size)
         batches = batches_forever(corpus.sampler, corpus.train, trainer.pad_to_multiple, runtime.device)
         validated = objective.module if runtime.distributed else objective  # no gradient sync needed
@@ -73,10 +77,10 @@ def train(cfg: TrainConfig) -> Path:
         )
         policy, micro = Policy(trainer, runtime, run.step), None
         with monitor, policy, attention_backends(trainer.attention_backends), logging_redirect_tqdm():
-            _log_start(run, accum)  # from here on a signal stops the run cleanly
+            _log_start(run, accum, graphs is not None)  # from here on a signal stops the run cleanly
             while run.step < trainer.max_steps and not run.early_stopped:
                 micro = micro or [next(batches) for _ in range(accum)]
-                queued = queue_step(run, objective, micro, policy.requests())
+                queued = queue_step(run, objective, micro, policy.requests(), graphs)
                 consumed = run.sampler.state_dict()  # what a checkpoint of this step resumes from
                 # the next step's batches are read and sent while the device works on this one
                 upcoming = [next(batches) for _ in range(accum)] if run.step + 1 < trainer.max_steps else None
@@ -196,13 +200,13 @@ def _find_resume(trainer: TrainerConfig, run_dir: Path, is_main: bool) -> tuple[
     return found
 
 
-def _log_start(run: Run, accum: int) -> None:
+def _log_start(run: Run, accum: int, graphs: bool) -> None:
     trainer, runtime = run.cfg.trainer, run.runtime
     batch = trainer.batch_tokens(runtime.world_size)
     log.info(
         "%s on %s x%d (%s; CPU kernels: %s): %s parameters; %d batch(es) of <= %d padded tokens per rank "
         "per step, <= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d); length buckets: %s; "
-        "attention backends: %s",
+        "attention backends: %s; CUDA graphs: %s",
         run.run_dir,
         runtime.device,
         runtime.world_size,
@@ -216,4 +220,5 @@ def _log_start(run: Run, accum: int) -> None:
         trainer.max_tokens,
         " ".join(map(str, run.sampler.buckets)) if run.sampler.buckets else "none",
         ", ".join(trainer.attention_backends or ["torch's choice"]),
+        "one per batch shape" if graphs else "off",
     )

@@ -64,8 +64,8 @@ class Run:
             "data_meta": self.meta,
             "config": to_dict(self.cfg),
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer": _portable(self.optimizer.state_dict()),
+            "scheduler": _portable(self.scheduler.state_dict()),
             "data_state": data_state,  # the ranks agree on (epoch, position)
             "rng": rngs,  # one entry per rank
             "interim": interim,
@@ -133,6 +133,7 @@ class Run:
                 eps=cfg.eps,
                 weight_decay=cfg.weight_decay,
                 lr=factor(self.scheduler.last_epoch),  # the schedule of this run (base lr 1.0)
+                capturable=False,  # until this run's CUDA graphs (training/graphs.py) ask for it
             )
 
 
@@ -168,6 +169,16 @@ def adam(model: nn.Module, cfg: OptimConfig) -> Adam:
         weight_decay=cfg.weight_decay,
         fused=True,
     )
+
+
+def _portable(state: dict[str, Any]) -> dict[str, Any]:
+    """Adam's or the schedule's state_dict as any run resumes it: learning rates as numbers, not the
+    device tensor that CUDA graphs read (a resumed run sets its own: `Run.restore`, `StepGraphs`)."""
+    for group in state.get("param_groups", []):
+        group.update(lr=float(group["lr"]), capturable=False)
+    if "_last_lr" in state:
+        state["_last_lr"] = [float(lr) for lr in state["_last_lr"]]
+    return state
 
 
 def seed_everything(seed: int) -> None:

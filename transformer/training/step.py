@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -27,14 +27,18 @@ from transformer.training.monitor import train_flops
 from transformer.training.policy import TrainingError
 from transformer.training.state import Run
 
+if TYPE_CHECKING:
+    from transformer.training.graphs import StepGraphs
+
 
 def queue_step(
-    run: Run, objective: nn.Module, micro: list[Batch], flags: list[float]
+    run: Run, objective: nn.Module, micro: list[Batch], flags: list[float], graphs: StepGraphs | None = None
 ) -> tuple[Tensor, list[str]]:
     """Queue one optimizer step on the device without waiting for it: forward/backward over this
     rank's batches, the gradient norm, and the update, which the device itself skips when the loss
     or the gradient is not finite (Adam's `found_inf`: weights, moments and step count stay as
-    they were). Sums over the ranks are collectives on the device too.
+    they were). Sums over the ranks are collectives on the device too; `graphs`: the same step as
+    CUDA graph replays (`graphs.StepGraphs`).
 
     flags: this rank's stop and save requests. Returns the device tensor [loss sum, NLL sum, target
     tokens, stop, save, gradient norm, then the objective's figures of this rank's last batch (e.g.
@@ -44,12 +48,23 @@ def queue_step(
     runtime = run.runtime
     local = torch.tensor([float(sum(b.n_tgt_tokens for b in micro)), *flags], dtype=torch.float64)
     counts = all_reduce_sum_tensor(local.to(runtime.device, non_blocking=True), runtime)  # (3,)
+    if graphs is not None:
+        return graphs.queue(counts, micro)
     sums, figures = accumulate(objective, micro, runtime, counts[0], run.cfg.trainer.max_tokens)
+    return update(run, sums, counts, figures)
+
+
+def update(
+    run: Run, sums: Tensor, counts: Tensor, figures: dict[str, Tensor], set_to_none: bool = True
+) -> tuple[Tensor, list[str]]:
+    """The gradient norm and Adam's update after the step's backward passes (skipped by the device when
+    not finite), the gradients zeroed (or freed: `set_to_none`); the values `queue_step` returns."""
+    runtime = run.runtime
     norm = grad_norm(run.model, run.cfg.optim.clip_grad_norm)  # () of the ranks' summed gradients
     sums = all_reduce_sum_tensor(sums.double(), runtime)
     run.optimizer.found_inf = (~(sums[0].isfinite() & norm.isfinite())).float()
     run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=set_to_none)
     extra = [value.to(runtime.device, torch.float64)[None] for value in figures.values()]
     return torch.cat([sums, counts, norm.double()[None], *extra]), list(figures)
 
@@ -65,7 +80,7 @@ def finish_step(
     """
     values, names = queued
     loss_sum, nll_sum, n_tokens, stop, save_due, norm, *figures = values.tolist()
-    lr = run.optimizer.param_groups[0]["lr"]  # the rate of this step's update
+    lr = float(run.optimizer.param_groups[0]["lr"])  # the rate of this step's update (a tensor with graphs)
     finite = math.isfinite(loss_sum) and math.isfinite(norm)
     if finite:
         run.scheduler.step()

@@ -1,0 +1,192 @@
+"""The training step as CUDA graph replays (`trainer.cuda_graphs`): when it is on, and that a step made
+of replays is the eager step. On a CPU the recordings are re-runs of the recorded work: the same
+buffers, copies and in-place updates that a replay reads and writes, against the plain step bit for
+bit. On a GPU (`-m gpu`): the real graphs against eager, resume either way, no waiting in a replay."""
+
+import re
+
+import pytest
+import torch
+from test_training_run import (  # noqa: F401 (the corpus fixture)
+    assert_same_state,
+    compose_config,
+    corpus,
+    overrides,
+    tensorboard_scalars,
+)
+
+from transformer.checkpoint import load_checkpoint
+from transformer.config import ConfigError
+from transformer.training import loop, train
+from transformer.training import step as training_step
+from transformer.training.graphs import StepGraphs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BUCKETED = ("trainer.length_buckets=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=4")
+
+
+class Rerun:
+    """A recorder whose replay runs the recorded work again, and checks that it found and left the
+    gradients and the learning rate in the memory the recordings saw (a CUDA graph's are fixed)."""
+
+    def __init__(self) -> None:
+        self.recorded, self.run, self.memory = 0, None, None
+
+    def addresses(self) -> list[int | None]:
+        grads = [p.grad for p in self.run.model.parameters()]
+        rates = [group["lr"] for group in self.run.optimizer.param_groups]
+        return [None if t is None else t.data_ptr() for t in grads + rates]
+
+    def __call__(self, work):
+        self.recorded += 1
+        work()
+        self.memory = self.memory or self.addresses()
+
+        def replay() -> None:
+            assert self.addresses() == self.memory
+            work()
+            assert self.addresses() == self.memory
+
+        return replay
+
+
+def with_rerun_graphs(monkeypatch, recorder: Rerun, shapes: list) -> None:
+    """train() with its steps through StepGraphs and `recorder`, one per run; `shapes` gets each batch's."""
+    real, graphs = training_step.queue_step, {}
+
+    def queue(run, objective, micro, flags, _graphs=None):
+        shapes.extend(tuple(b.src.shape) for b in micro)
+        if id(run) not in graphs:
+            recorder.run, recorder.memory = run, None
+            graphs[id(run)] = StepGraphs(run, objective, record=recorder)
+        return real(run, objective, micro, flags, graphs[id(run)])
+
+    monkeypatch.setattr(loop, "queue_step", queue)
+
+
+def test_steps_of_replays_are_the_eager_steps_bit_for_bit(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """Three bucket shapes over 12 steps of two batches: each shape and the update recorded once, every
+    later batch copied into its shape's inputs and replayed; weights, Adam's moments and the schedule
+    end as the plain steps leave them."""
+    plain = tmp_path / "plain"
+    train(compose_config(overrides(corpus, plain, "trainer.max_steps=12", *BUCKETED)))
+    recorder, shapes = Rerun(), []
+    with_rerun_graphs(monkeypatch, recorder, shapes)
+    graphed = tmp_path / "graphed"
+    train(compose_config(overrides(corpus, graphed, "trainer.max_steps=12", *BUCKETED)))
+    assert len(shapes) == 24 and len(set(shapes)) == 3  # shapes repeat: most batches are replays
+    assert recorder.recorded == len(set(shapes)) + 1  # a graph per shape and one for the update
+    for step in (4, 12):
+        a = load_checkpoint(plain / "checkpoints" / f"checkpoint_{step}.pt")
+        b = load_checkpoint(graphed / "checkpoints" / f"checkpoint_{step}.pt")
+        assert_same_state(a, b)
+        assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]  # the rate a number
+        assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == step
+
+
+def test_a_run_resumes_across_graphs_on_and_off(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """Steps 1-4 with graphs, 5-8 without, 9-12 with again: the uninterrupted plain run's weights."""
+    plain = tmp_path / "plain"
+    train(compose_config(overrides(corpus, plain, "trainer.max_steps=12", *BUCKETED)))
+    mixed = overrides(corpus, tmp_path / "mixed", *BUCKETED)
+    with monkeypatch.context() as patch:
+        with_rerun_graphs(patch, Rerun(), [])
+        train(compose_config([*mixed, "trainer.max_steps=4"]))
+    train(compose_config([*mixed, "trainer.max_steps=8"]))
+    with monkeypatch.context() as patch:
+        with_rerun_graphs(patch, Rerun(), [])
+        train(compose_config([*mixed, "trainer.max_steps=12"]))
+    assert_same_state(
+        load_checkpoint(tmp_path / "mixed" / "checkpoints" / "checkpoint_12.pt"),
+        load_checkpoint(plain / "checkpoints" / "checkpoint_12.pt"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "needs"),
+    [
+        ((), "a CUDA device (trainer.device=cpu gives cpu)"),
+        (("model.moe_experts=2",), "no mixture of experts"),
+        (("trainer.length_buckets=0",), "length buckets (trainer.length_buckets > 0)"),
+    ],
+)
+def test_cuda_graphs_are_refused_first_where_they_cannot_run(corpus, tmp_path, monkeypatch, extra, needs):  # noqa: F811
+    """trainer.cuda_graphs=true on a CPU, with a mixture of experts or without length buckets: a
+    ConfigError that names what it needs, before the data loads."""
+    monkeypatch.setattr(loop, "load_corpus", lambda *_: pytest.fail("the data loaded"))
+    args = overrides(corpus, tmp_path, "trainer.cuda_graphs=true", *extra)
+    with pytest.raises(ConfigError, match=rf"trainer.cuda_graphs=true needs .*{re.escape(needs)}"):
+        train(compose_config(args))
+
+
+def test_cuda_graphs_are_off_by_default_on_a_cpu(corpus, tmp_path, caplog):  # noqa: F811
+    caplog.set_level("INFO", logger="transformer.training.loop")
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=1", *BUCKETED)))
+    assert "CUDA graphs: off" in caplog.text
+
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+GPU = (
+    "trainer.device=cuda",
+    "trainer.precision=bf16",
+    "trainer.length_buckets=3",
+    "trainer.eval_every_steps=0",
+)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_graphed_steps_train_as_eager_ones(corpus, tmp_path, caplog):  # noqa: F811
+    """30 steps with and without CUDA graphs (dropout off: the same math): each step's loss within bf16
+    noise, and the weights they end with."""
+    _cuda_or_skip()
+    caplog.set_level("INFO", logger="transformer.training.loop")
+    losses, weights = {}, {}
+    for graphs in ("true", "false"):
+        run_dir = tmp_path / graphs
+        args = [*GPU, "trainer.max_steps=30", "model.dropout=0", f"trainer.cuda_graphs={graphs}"]
+        train(compose_config(overrides(corpus, run_dir, *args, "trainer.log_every_steps=1")))
+        losses[graphs] = torch.tensor(tensorboard_scalars(run_dir, "train/loss"))
+        weights[graphs] = load_checkpoint(run_dir / "checkpoints" / "checkpoint_30.pt")["model"]
+    assert "CUDA graphs: one per batch shape" in caplog.text and len(losses["true"]) == 30
+    torch.testing.assert_close(losses["true"], losses["false"], rtol=1e-2, atol=0.0)
+    for name, tensor in weights["true"].items():
+        torch.testing.assert_close(tensor, weights["false"][name], rtol=0.02, atol=2e-3, msg=name)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_graphed_run_resumes_with_graphs_off_and_on(corpus, tmp_path):  # noqa: F811
+    _cuda_or_skip()
+    args = overrides(corpus, tmp_path, *GPU, "trainer.save_every_steps=5")
+    for steps, graphs in ((5, "true"), (10, "false"), (15, "true")):
+        train(compose_config([*args, f"trainer.max_steps={steps}", f"trainer.cuda_graphs={graphs}"]))
+    final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_15.pt")
+    assert final["step"] == 15 and all(t.isfinite().all() for t in final["model"].values())
+    assert isinstance(final["optimizer"]["param_groups"][0]["lr"], float)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_step_of_replays_does_not_wait_for_the_device(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """Once every shape of a step was recorded, queueing it is copies and replays: CUDA's own check
+    finds nothing that waits."""
+    _cuda_or_skip()
+    real, seen, strict = training_step.queue_step, set(), []
+
+    def queue(run, objective, micro, flags, graphs=None):
+        shapes = {tuple(b.src.shape) for b in micro}
+        checked = graphs is not None and shapes <= seen and run.step > 0
+        seen.update(shapes)
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            return real(run, objective, micro, flags, graphs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            strict.append(checked)
+
+    monkeypatch.setattr(loop, "queue_step", queue)
+    train(compose_config(overrides(corpus, tmp_path, *GPU, "trainer.max_steps=20")))
+    assert sum(strict) >= 10

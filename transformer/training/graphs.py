@@ -1,0 +1,134 @@
+"""The training step as CUDA graphs (`trainer.cuda_graphs`): the forward and backward of each batch
+shape recorded once and replayed, and the gradient norm with Adam's update (§5.3) the same, so that the
+host launches a graph per batch instead of each of its kernels. The math is `step.queue_step`'s.
+
+A replay reads and writes the memory its recording saw: each batch is copied into its shape's inputs,
+the gradients accumulate in place and the update zeroes them, the learning rate is a device tensor
+that the schedule fills (Adam `capturable`), the step's sums and figures have buffers of their own.
+The first batch of a shape runs eagerly before it is recorded (the warm-up a recording needs) and
+counts: it is that step's batch. With length buckets a run has a dozen shapes, so a dozen graphs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor, nn
+
+from transformer.config import ConfigError, TrainConfig
+from transformer.data.batching import Batch
+from transformer.training.distributed import Runtime
+from transformer.training.state import Run
+from transformer.training.step import forward_backward, update
+
+Recorder = Callable[[Callable[[], None]], Callable[[], None]]  # work -> its replay, after one eager run
+
+
+def use_cuda_graphs(cfg: TrainConfig, runtime: Runtime, bucketed: bool) -> bool:
+    """Whether this run's steps are CUDA graph replays (trainer.cuda_graphs; unset: wherever they can
+    run); set to true where they cannot, a ConfigError that says what they need. bucketed: the run
+    batches in length buckets (a graph per shape)."""
+    trainer = cfg.trainer
+    needs = []
+    if runtime.device.type != "cuda":
+        needs.append(f"a CUDA device (trainer.device={trainer.device} gives {runtime.device})")
+    if runtime.distributed:
+        needs.append(f"one process, not {runtime.world_size}: DDP's gradient all-reduce is not recorded")
+    if cfg.model.moe_experts:
+        needs.append("no mixture of experts (model.moe_experts=0): its routing sizes tensors by the data")
+    if not bucketed:
+        needs.append("length buckets (trainer.length_buckets > 0): without them every batch has a new shape")
+    if trainer.cuda_graphs and needs:
+        raise ConfigError(f"trainer.cuda_graphs=true needs {'; '.join(needs)}")
+    return not needs if trainer.cuda_graphs is None else trainer.cuda_graphs
+
+
+class StepGraphs:
+    """queue(counts, micro): `step.queue_step` for one step of a single-process run, as replays of the
+    graphs of its batch shapes and of the update. `record` (default: CUDA graphs on a side stream, all
+    in one memory pool) runs the work it is given once and returns its replay."""
+
+    def __init__(self, run: Run, objective: nn.Module, record: Recorder | None = None) -> None:
+        device = run.runtime.device
+        self.run, self.objective = run, objective
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.record = record or _CudaRecorder(self.stream)
+        for p in run.model.parameters():
+            p.grad = torch.zeros_like(p)  # where every replay accumulates
+        # read by the update graph, filled by the schedule; CUDA's fused Adam reads a float32 rate, a
+        # CPU's a number (a float64: the eager step's)
+        dtype = torch.float32 if device.type == "cuda" else torch.float64
+        for group in run.optimizer.param_groups:
+            group.update(lr=torch.tensor(float(group["lr"]), dtype=dtype, device=device), capturable=True)
+        self.counts = torch.zeros(3, dtype=torch.float64, device=device)  # target tokens, stop, save
+        self.sums = torch.zeros(2, device=device)  # loss and NLL over the step's batches
+        self.values = torch.zeros(6, dtype=torch.float64, device=device)  # what queue_step returns
+        self.shapes: dict[tuple[int, ...], tuple[Batch, Callable[[], None]]] = {}
+        self.replay_update: Callable[[], None] | None = None
+
+    def queue(self, counts: Tensor, micro: list[Batch]) -> tuple[Tensor, list[str]]:
+        """Queue the step: (the device tensor `finish_step` reads, its figures' names: none)."""
+        stream = self.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the batches were sent on the default stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self.counts.copy_(counts)
+            self.sums.zero_()
+            for batch in micro:
+                self._forward_backward(batch)
+            if self.replay_update is None:
+                with warnings.catch_warnings():  # its eager run: capturable Adam outside a graph, once
+                    warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
+                    self.replay_update = self.record(self._update)
+            else:
+                self.replay_update()
+            values = self.values.clone()
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+        return values, []
+
+    def _forward_backward(self, batch: Batch) -> None:
+        shape = (*batch.src.shape, *batch.tgt_in.shape)
+        if shape in self.shapes:
+            inputs, replay = self.shapes[shape]
+            for static, new in zip(_tensors(inputs), _tensors(batch)):
+                static.copy_(new)
+            replay()
+            return
+        inputs = Batch(*(t.clone() for t in _tensors(batch)), batch.n_src_tokens, batch.n_tgt_tokens)
+        cfg, runtime = self.run.cfg.trainer, self.run.runtime
+
+        def work() -> None:
+            scale = runtime.world_size / self.counts[0]
+            loss, nll, _ = forward_backward(self.objective, inputs, scale, runtime, cfg.max_tokens)
+            self.sums += torch.stack([loss, nll])
+
+        self.shapes[shape] = inputs, self.record(work)
+
+    def _update(self) -> None:
+        values, _ = update(self.run, self.sums, self.counts, {}, set_to_none=False)
+        self.values.copy_(values)
+
+
+def _tensors(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    return batch.src, batch.tgt_in, batch.tgt_out
+
+
+class _CudaRecorder:
+    """Runs work eagerly, then records it as a CUDA graph (recording runs nothing), both on `stream`;
+    every graph in one memory pool: they replay one after another, never at once."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        if stream is None:
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.stream, self.pool = stream, torch.cuda.graph_pool_handle()
+
+    def __call__(self, work: Callable[[], None]) -> Callable[[], None]:
+        work()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            work()
+        return graph.replay
