@@ -34,8 +34,9 @@ data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at 
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
         throughput of transformer.data.prepare.prepare (BPE learning + binarization), in pairs/s, and
         the host time of reading one training batch of the prepared shards (ShardDataset.batch).
-loop    train.py itself, each run a process (`--loop-runs`): eager, compiled (trainer.compile=true), eager
-        with attention's backends but cuDNN, and with the length buckets the device does not use by default;
+loop    train.py itself, each run a process (`--loop-runs`): eager (on CUDA its steps CUDA graph
+        replays), compiled (trainer.compile=true), without CUDA graphs, with attention's backends but
+        cuDNN, and with the length buckets the device does not use by default;
         the corpus `--loop-corpus` (files
         train.<src>, train.<tgt>; e.g. the WMT sample of scripts/wmt_sample_corpus.py) or synthetic words
         of WMT-like lengths, prepared with a `--loop-vocab` BPE into `--loop-data-dir`. Reported per run:

@@ -1,8 +1,9 @@
 """Every GPU check of the project in one command, for a GPU machine lent for minutes, in order of value
 (a cut budget loses the last): the real training loop (`benchmark.py --sections loop`: train.py at the
-base size on WMT lengths, eager with length buckets and compiled), the GPU tests, more of the loop
-(eager without cuDNN attention, the torch.nn.Transformer loop on the same batches, ours without
-buckets), translation with and without CUDA graphs compared line by line, and the fixed-shape step.
+base size on WMT lengths with its defaults, length buckets and CUDA graphs, eager and compiled), the GPU
+tests, more of the loop (without CUDA graphs, the torch.nn.Transformer loop on the same batches, without
+cuDNN attention, without buckets), translation with and without CUDA graphs compared line by line, and
+the fixed-shape step.
 Each step runs in its own process under `timeout -k` inside one budget, so a failure or a timeout costs
 only that step (a loop step keeps the runs it finished);
 the results go to `summary.json`, `summary.md` (its table printed last), `benchmark.json`, `loop.json`
@@ -73,11 +74,12 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     corpus = ["--loop-corpus", str(args.corpus), "--loop-data-dir", str(args.prepared)]
     corpus = corpus if (ROOT / args.corpus).is_dir() and not args.dry_run else []  # else synthetic lengths
     loop = Loop(check, work / "loop", corpus)
-    loop.run("loop_eager", "eager", 120)
+    loop.run("loop_eager", "eager", 120)  # the defaults: CUDA graphs, length buckets
     loop.run("loop_compiled", "compiled", 150, compiled=True)
-    check.run("gpu_tests", _pytest(args.dry_run), 100)  # compiled regions, attention backends, graphs
-    loop.run("loop_no_cudnn", "no-cudnn", 90)
+    check.run("gpu_tests", _pytest(args.dry_run), 150)  # graphed steps, compiled regions, backends
+    loop.run("loop_no_graphs", "no-graphs", 90)
     loop.run("loop_peers", "peer,peer-compiled", 180, compiled=True)
+    loop.run("loop_no_cudnn", "no-cudnn", 90)
     loop.run("loop_no_buckets" if not args.dry_run else "loop_buckets", "buckets", 90)
     checkpoint = work / "loop" / "eager" / "checkpoints" / "checkpoint_last.pt"
     if checkpoint.is_file():
@@ -196,7 +198,7 @@ def _ratios(loop: dict | None) -> str:
     runs = {row["run"]: row["steady_tokens_per_s"] for row in (loop or {}).get("rows", [])}
     lines = [
         f"- {ours} / {peer}: {runs[ours] / runs[peer]:.2f}x"
-        for ours in ("eager", "compiled")
+        for ours in ("eager", "compiled", "no-graphs")
         for peer in ("peer", "peer-compiled")
         if ours in runs and peer in runs
     ]

@@ -14,8 +14,9 @@ STEPS = [
     "environment",
     "loop_eager",
     "gpu_tests",
-    "loop_no_cudnn",
+    "loop_no_graphs",
     "loop_peers",
+    "loop_no_cudnn",
     "loop_buckets",
     "translate",
     "translate_cuda_graphs",
@@ -32,7 +33,7 @@ def test_the_dry_run_goes_through_every_step_and_writes_what_comes_back(tmp_path
     assert list(results) == STEPS and all(r["ok"] for r in results.values()), results
     assert results["translate_cuda_graphs"]["lines_equal"] == "50/50"
     loop = json.loads((tmp_path / "loop.json").read_text())
-    assert [row["run"] for row in loop["rows"]] == ["eager", "no-cudnn", "peer", "buckets"]
+    assert [row["run"] for row in loop["rows"]] == ["eager", "no-graphs", "peer", "no-cudnn", "buckets"]
     assert all(row["steady_tokens_per_s"] > 0 for row in loop["rows"])
     assert "steady" in results["loop_eager"]["eager"] and "eager / peer:" in done.stdout  # the table, last
     assert json.loads((tmp_path / "benchmark.json").read_text())["meta"]

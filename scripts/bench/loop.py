@@ -1,6 +1,6 @@
 """The loop section: `train.py` itself, from process start, on WMT-like lengths (sampler, padding, length
-buckets, accumulation, queue_step / finish_step, compile as configured), and the same batches through a
-torch.nn.Transformer loop, eager and compiled.
+buckets, accumulation, queue_step / finish_step, compile and CUDA graphs as configured), and the same
+batches through a torch.nn.Transformer loop, eager and compiled.
 
 Each run of ours is a `train.py` process; its TensorBoard scalars (one per step) give the wall time of
 every step and its real target tokens, `TORCH_LOGS=recompiles` its recompiles, and on CUDA nvidia-smi,
@@ -35,7 +35,7 @@ from transformer.data.prepare import prepare
 from transformer.training.corpus import batches_forever
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = ("eager", "compiled", "no-cudnn", "buckets", "peer", "peer-compiled")
+RUNS = ("eager", "compiled", "no-graphs", "no-cudnn", "buckets", "peer", "peer-compiled")
 HIDDEN = ("steady_from", "steady_to", "trainer")  # a row's working figures, not reported
 
 
@@ -93,15 +93,17 @@ def train_overrides(args: argparse.Namespace, data: DataConfig, cfg: ModelConfig
 def run_ours(
     args: argparse.Namespace, data: DataConfig, cfg: ModelConfig, work: Path, name: str
 ) -> dict[str, Any]:
-    """One train.py process: `eager`, `compiled` (trainer.compile=true), `no-cudnn` (attention without
-    the cuDNN backend) or `buckets` (the length buckets the device does not use by default: 12 on a CPU,
-    none on CUDA)."""
+    """One train.py process: `eager` (the device's defaults: on CUDA the steps are CUDA graph replays),
+    `compiled` (trainer.compile=true), `no-graphs` (trainer.cuda_graphs=false), `no-cudnn` (attention
+    without the cuDNN backend) or `buckets` (the length buckets the device does not use by default: 12 on
+    a CPU, none on CUDA, and so no graphs)."""
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     cuda = args.device == "cuda"
     extra = {
         "eager": [],
         "compiled": ["trainer.compile=true"],
+        "no-graphs": ["trainer.cuda_graphs=false"],
         "no-cudnn": [f"trainer.attention_backends=[flash,{'efficient' if cuda else 'math'}]"],
         "buckets": [f"trainer.length_buckets={0 if cuda else 12}"],
     }[name]
