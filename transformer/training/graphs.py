@@ -57,7 +57,7 @@ class StepGraphs:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.record = record or _CudaRecorder(self.stream)
         for p in run.model.parameters():
-            p.grad = torch.zeros_like(p)  # where every replay accumulates
+            p.grad = torch.zeros_like(p) if p.requires_grad else None  # where every replay accumulates
         # read by the update graph, filled by the schedule; CUDA's fused Adam reads a float32 rate, a
         # CPU's a number (a float64: the eager step's)
         dtype = torch.float32 if device.type == "cuda" else torch.float64
@@ -72,10 +72,10 @@ class StepGraphs:
     def queue(self, counts: Tensor, micro: list[Batch]) -> tuple[Tensor, list[str]]:
         """Queue the step: (the device tensor `finish_step` reads, its figures' names: none)."""
         stream = self.stream
+        self.counts.copy_(counts)  # on the stream that made `counts`: its memory is free once we return
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the batches were sent on the default stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            self.counts.copy_(counts)
             self.sums.zero_()
             for batch in micro:
                 self._forward_backward(batch)
@@ -118,8 +118,9 @@ def _tensors(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
 
 
 class _CudaRecorder:
-    """Runs work eagerly, then records it as a CUDA graph (recording runs nothing), both on `stream`;
-    every graph in one memory pool: they replay one after another, never at once."""
+    """Runs work eagerly, then records it as a CUDA graph (recording runs nothing), both on `stream`.
+    Every graph records into one memory pool: they replay one after another, never at once, and no
+    tensor of the pool passes from one graph to another (what does is allocated outside it)."""
 
     def __init__(self, stream: torch.cuda.Stream | None) -> None:
         if stream is None:
@@ -128,7 +129,20 @@ class _CudaRecorder:
 
     def __call__(self, work: Callable[[], None]) -> Callable[[], None]:
         work()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            work()
+        graph, failure = torch.cuda.CUDAGraph(), None
+        try:
+            # the eager run compiled what the work needs: a compile now would be recorded, so it fails
+            with (
+                torch.cuda.graph(graph, pool=self.pool, stream=self.stream),
+                torch.compiler.set_stance("fail_on_recompile"),
+            ):
+                try:
+                    work()
+                except Exception as error:  # said as it is, not as the broken recording it leaves
+                    failure = error
+        except RuntimeError:
+            if failure is None:
+                raise
+        if failure is not None:
+            raise failure
         return graph.replay
