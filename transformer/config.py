@@ -310,6 +310,9 @@ class TrainerConfig(DeviceConfig):
     best_metric: str = "loss"  # "loss" | "bleu": checkpoint_best.pt is the best validation's checkpoint
     patience: int = 0  # stop after this many validations of best_metric without improvement; 0 = off
     log_every_steps: int = 100
+    # [first, last]: these optimizer steps under torch.profiler, each operator's time, a Chrome trace and
+    # the device's busy share in <run_dir>/profile (transformer/training/profile.py); None = off
+    profile_steps: list[int] | None = None
     resume: str = "auto"  # "auto" (newest valid checkpoint in run_dir) | "never" | a checkpoint path
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
     seed: int = 1
@@ -341,6 +344,13 @@ class TrainerConfig(DeviceConfig):
             self.length_buckets is None or self.length_buckets >= 0, "length_buckets", "must be >= 0"
         )
         self.require_choice("best_metric", ("loss", "bleu"))
+        if self.profile_steps is not None:
+            steps = self.profile_steps
+            self.require(
+                len(steps) == 2 and 1 <= steps[0] <= steps[1],
+                "profile_steps",
+                "must be [first, last], two optimizer steps with 1 <= first <= last",
+            )
         if self.attention_backends is not None:
             unknown = sorted(set(self.attention_backends) - set(ATTENTION_BACKENDS))
             self.require(

@@ -73,13 +73,21 @@ def train(cfg: TrainConfig) -> Path:
         peak = bf16_peak_flops(runtime.device) if runtime.dtype == torch.bfloat16 else None
         steps = (run.step, trainer.max_steps)
         monitor = Monitor(
-            run_dir, runtime.is_main, trainer.progress, steps, trainer.log_every_steps, runtime.device, peak
+            run_dir,
+            runtime.is_main,
+            trainer.progress,
+            steps,
+            trainer.log_every_steps,
+            runtime.device,
+            peak,
+            trainer.profile_steps,
         )
         policy, micro = Policy(trainer, runtime, run.step), None
         with monitor, policy, attention_backends(trainer.attention_backends), logging_redirect_tqdm():
             _log_start(run, accum, graphs is not None)  # from here on a signal stops the run cleanly
             while run.step < trainer.max_steps and not run.early_stopped:
                 micro = micro or [next(batches) for _ in range(accum)]
+                monitor.before_step(run.step + 1)
                 queued = queue_step(run, objective, micro, policy.requests(), graphs)
                 consumed = run.sampler.state_dict()  # what a checkpoint of this step resumes from
                 # the next step's batches are read and sent while the device works on this one

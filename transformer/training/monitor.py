@@ -1,21 +1,24 @@
 """Watching a run: a tqdm bar (loss, learning rate, tokens/s, ETA) and TensorBoard scalars under
 `<run_dir>/tensorboard` (train loss, perplexity, lr, gradient norm, tokens/s, real target tokens per
 step, model FLOP utilisation on GPUs whose bf16 peak is known, the peak GPU memory of tensors so far;
-validation loss and perplexity).
-Only rank 0 writes anything.
+validation loss and perplexity); with trainer.profile_steps, a profile of those steps
+(`profile.Profiler`) under `<run_dir>/profile`. Only rank 0 writes anything.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from transformer.atomic import write_bytes
 from transformer.config import ModelConfig
+from transformer.training.profile import Profiled, Profiler
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +82,12 @@ class Monitor:
         every: int,
         device: torch.device,
         peak_flops: float | None,
+        profile_steps: list[int] | None = None,
     ) -> None:
-        """steps: (first step of this process, last step of the run)."""
+        """steps: (first step of this process, last step of the run); profile_steps: [first, last]."""
         self.enabled, self.every, self.device, self.peak_flops = enabled, every, device, peak_flops
+        self.run_dir, self.profile_steps = run_dir, profile_steps
+        self.profiler: Profiler | None = None  # while the profile_steps run
         start_step, max_steps = steps
         if enabled:
             from torch.utils.tensorboard import SummaryWriter  # a second to import; only rank 0 needs it
@@ -103,9 +109,18 @@ class Monitor:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
+    def before_step(self, step: int) -> None:
+        """Optimizer step `step` is about to be queued: the profile starts at the first of profile_steps."""
+        if self.enabled and self.profile_steps and step == self.profile_steps[0]:
+            self.profiler = Profiler(self.device)
+            self.profiler.start()
+
     def step(self, step: int, stats: dict[str, float]) -> None:
         """One optimizer step: loss and nll per target token, tokens (target), lr, grad_norm, flops, and
         the objective's own figures (e.g. moe_dropped), each logged as the interval's mean."""
+        if self.profiler is not None and step >= self.profile_steps[1]:
+            self._profiled(step, self.profiler.stop(step - self.profile_steps[0] + 1))
+            self.profiler = None
         now = time.perf_counter()
         seconds, self._last_time = now - self._last_time, now
         for key, value in stats.items():
@@ -146,6 +161,30 @@ class Monitor:
             self.writer.add_scalar(tag, value, step)
         log.info("step %d: %s", step, ", ".join(f"{tag[6:]} {value:.4g}" for tag, value in scalars.items()))
 
+    def _profiled(self, step: int, profiled: Profiled) -> None:
+        """The profile's table and Chrome trace under <run_dir>/profile; its figures logged."""
+        out = self.run_dir / "profile"
+        out.mkdir(exist_ok=True)
+        write_bytes(out / "ops.txt", profiled.table.encode())
+        with tempfile.TemporaryDirectory() as tmp:  # the profiler writes the trace by name
+            profiled.profile.export_chrome_trace(f"{tmp}/trace.json")
+            write_bytes(out / "trace.json", Path(f"{tmp}/trace.json").read_bytes())
+        per_step = 1000 / profiled.steps
+        self.writer.add_scalar("profile/wall_ms_per_step", profiled.wall_seconds * per_step, step)
+        busy = ""
+        if profiled.busy is not None:
+            self.writer.add_scalar("profile/kernel_ms_per_step", profiled.kernel_seconds * per_step, step)
+            self.writer.add_scalar("profile/device_busy", profiled.busy, step)
+            busy = f", device kernels {profiled.kernel_seconds * per_step:.1f} ms: busy {profiled.busy:.0%}"
+        log.info(
+            "steps %d-%d profiled: %.1f ms per step%s; %s",
+            step - profiled.steps + 1,
+            step,
+            profiled.wall_seconds * per_step,
+            busy,
+            out,
+        )
+
     def valid(self, step: int, loss: float, nll: float) -> None:
         if self.enabled:
             self.writer.add_scalar("valid/loss", loss, step)
@@ -160,6 +199,8 @@ class Monitor:
             log.info("step %d: valid BLEU %.2f (sacreBLEU %.2f)", step, scores["bleu"], scores["sacrebleu"])
 
     def close(self) -> None:
+        if self.profiler is not None:  # the run ended inside profile_steps: nothing to report
+            self.profiler.profile.stop()
         if self.enabled:
             self.bar.close()
             self.writer.close()
