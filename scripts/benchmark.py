@@ -42,8 +42,9 @@ loop    train.py itself, each run a process (`--loop-runs`): eager (on CUDA its 
         of WMT-like lengths, prepared with a `--loop-vocab` BPE into `--loop-data-dir`. Reported per run:
         target tokens/s over the first `--loop-steps` steps from process start (imports, data, compiles,
         plans) and over the steady steps after them, the seconds to the first step, recompiles, the real
-        target tokens per step, peak memory and (CUDA, from nvidia-smi) the GPU's busy share; then the same
-        batches through a torch.nn.Transformer loop eager and compiled (peer, peer-compiled).
+        target tokens per step, peak memory and (CUDA; torch.profiler over 5 steps after them) the GPU's
+        busy share; then the same batches through a torch.nn.Transformer loop eager and compiled (peer,
+        peer-compiled).
 
 Every model trains with fused Adam, as the training loop does. CUDA runs use bf16 autocast and TF32;
 decoding runs the models in bf16 (as translate.py does) and CTranslate2 in `--ct2-compute`. CPU runs

@@ -3,9 +3,10 @@ buckets, accumulation, queue_step / finish_step, compile and CUDA graphs as conf
 batches through a torch.nn.Transformer loop, eager and compiled.
 
 Each run of ours is a `train.py` process; its TensorBoard scalars (one per step) give the wall time of
-every step and its real target tokens, `TORCH_LOGS=recompiles` its recompiles, and on CUDA nvidia-smi,
-sampled beside it, the GPU's busy share. The first `first` steps are counted from the process's start
-(imports, data loading, compiles, cuDNN plans included); the `steady` steps after them on their own.
+every step and its real target tokens, `TORCH_LOGS=recompiles` its recompiles. The first `first` steps
+are counted from the process's start (imports, data loading, compiles, cuDNN plans included); the
+`steady` steps after them on their own; PROFILED steps more run under torch.profiler
+(`trainer.profile_steps`), which gives the GPU's busy share on CUDA without slowing the timed steps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,10 +33,12 @@ from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import prepare
 from transformer.training.corpus import batches_forever
+from transformer.training.profile import Profiler
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ("eager", "compiled", "no-graphs", "no-cudnn", "buckets", "peer", "peer-compiled")
-HIDDEN = ("steady_from", "steady_to", "trainer")  # a row's working figures, not reported
+HIDDEN = ("trainer",)  # a row's working figures, not reported
+PROFILED = 5  # steps after the timed ones, under torch.profiler
 
 
 def loop_data(args: argparse.Namespace, work: Path) -> DataConfig:
@@ -84,7 +86,9 @@ def train_overrides(args: argparse.Namespace, data: DataConfig, cfg: ModelConfig
     command += [f"data.src_lang={data.src_lang}", f"data.tgt_lang={data.tgt_lang}", "data.lowercase=false"]
     command += ["~data.splits.valid", "~data.splits.test", "data.local_splits=null", "data.num_workers=1"]
     command += [f"model.{key}={getattr(cfg, key)}" for key in ("d_model", "n_heads", "d_ff", "n_layers")]
-    command += [f"trainer.run_dir={run_dir}", f"trainer.max_steps={first + steady}", "trainer.progress=false"]
+    timed = first + steady
+    command += [f"trainer.run_dir={run_dir}", f"trainer.max_steps={timed + PROFILED}"]
+    command += [f"trainer.profile_steps=[{timed + 1},{timed + PROFILED}]", "trainer.progress=false"]
     command += ["trainer.log_every_steps=1", "trainer.eval_every_steps=0", "trainer.bleu_every_steps=0"]
     command += ["trainer.save_every_steps=0", "trainer.save_every_minutes=0", "trainer.best_metric=loss"]
     return command + ["finish.average_last=0", "finish.evaluate_split=null"]
@@ -109,9 +113,8 @@ def run_ours(
     }[name]
     command = [sys.executable, str(ROOT / "train.py"), *train_overrides(args, data, cfg, run_dir), *extra]
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
-    with GpuBusy(args.device) as busy:
-        start = time.time()
-        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+    start = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     log = done.stdout + done.stderr
     (work / f"{name}.log").write_text(log)
     if done.returncode != 0:
@@ -120,7 +123,7 @@ def run_ours(
     row = _windows(name, start, steps, args.loop_steps)
     row["recompiles"] = log.count("Recompiling function")
     row["peak_gib"] = max((m.value for m in _scalars(run_dir, "train/peak_mem_gib")), default=None)
-    row["gpu_busy"] = busy.share(row["steady_from"], row["steady_to"])
+    row["gpu_busy"] = next((m.value for m in _scalars(run_dir, "profile/device_busy")), None)
     return {**row, **_batching(run_dir)}
 
 
@@ -152,23 +155,24 @@ def run_peer(
     run = torch.compile(peer) if compiled else peer
     batches = batches_forever(sampler, train, trainer.pad_to_multiple, device)  # as train.py reads them
     first, steady = args.loop_steps
-    with GpuBusy(args.device) as busy:
-        start, steps = time.time(), []
-        for _ in range(first + steady):
-            micro = [next(batches) for _ in range(trainer.grad_accum(1))]
-            tokens = sum(batch.n_tgt_tokens for batch in micro)
-            total = torch.zeros((), device=device)
-            for batch in micro:
-                with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = run(batch.src, batch.tgt_in, batch.tgt_out)
-                (loss / tokens).backward()
-                total += loss.detach()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            total.item()  # the one read per step, as the training loop's
-            steps.append((time.time(), float(tokens)))
+    start, steps, profiler = time.time(), [], Profiler(device)
+    for step in range(first + steady + PROFILED):
+        if step == first + steady:
+            profiler.start()
+        micro = [next(batches) for _ in range(trainer.grad_accum(1))]
+        tokens = sum(batch.n_tgt_tokens for batch in micro)
+        total = torch.zeros((), device=device)
+        for batch in micro:
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                loss = run(batch.src, batch.tgt_in, batch.tgt_out)
+            (loss / tokens).backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total.item()  # the one read per step, as the training loop's
+        steps.append((time.time(), float(tokens)))
     row = _windows("peer-compiled" if compiled else "peer", start, steps, args.loop_steps)
-    row["gpu_busy"] = busy.share(row["steady_from"], row["steady_to"])
+    row["gpu_busy"] = profiler.stop(PROFILED).busy
     row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return row
 
@@ -179,8 +183,9 @@ def _windows(
     """Target tokens/s of the first `first` steps from `start`, and of the `steady` steps after them;
     steps: (wall time at its end, its real target tokens), one per step."""
     first, steady = windows
-    if len(steps) != first + steady:
-        raise RuntimeError(f"{name}: {len(steps)} steps logged, {first + steady} expected")
+    if len(steps) != first + steady + PROFILED:
+        raise RuntimeError(f"{name}: {len(steps)} steps logged, {first + steady + PROFILED} expected")
+    steps = steps[: first + steady]  # the profiled ones are slower
     times, tokens = np.array([t for t, _ in steps]), np.array([n for _, n in steps])
     return {
         "run": name,
@@ -188,8 +193,6 @@ def _windows(
         "first_tokens_per_s": float(tokens[:first].sum() / (times[first - 1] - start)),
         "steady_tokens_per_s": float(tokens[first:].sum() / (times[-1] - times[first - 1])),
         "tokens_per_step": float(tokens.mean()),
-        "steady_from": float(times[first - 1]),
-        "steady_to": float(times[-1]),
     }
 
 
@@ -199,38 +202,6 @@ def _scalars(run_dir: Path, tag: str) -> list:
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep all
     events.Reload()
     return events.Scalars(tag) if tag in events.Tags()["scalars"] else []
-
-
-class GpuBusy:
-    """nvidia-smi's utilisation (the share of time a kernel ran), sampled every 100 ms beside a run on
-    CUDA; nothing elsewhere."""
-
-    def __init__(self, device: str) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self.enabled = device == "cuda" and shutil.which("nvidia-smi") is not None
-
-    def __enter__(self) -> GpuBusy:
-        if self.enabled:
-            query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
-            self.process = subprocess.Popen([*query, "-lms", "100"], stdout=subprocess.PIPE, text=True)
-            self.reader = threading.Thread(target=self._read, daemon=True)
-            self.reader.start()
-        return self
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            if line.strip().isdigit():
-                self.samples.append((time.time(), float(line) / 100))
-
-    def __exit__(self, *_exc: object) -> None:
-        if self.enabled:
-            self.process.terminate()
-            self.process.wait()
-
-    def share(self, start: float, end: float) -> float | None:
-        """The mean utilisation sampled between two wall times."""
-        inside = [busy for t, busy in self.samples if start <= t <= end]
-        return sum(inside) / len(inside) if inside else None
 
 
 def section_loop(args: argparse.Namespace, cfg: ModelConfig, keep: Callable[[dict], None]) -> dict[str, Any]:
