@@ -298,8 +298,8 @@ class TrainerConfig(DeviceConfig):
     compile: bool = False  # torch.compile by regions (each layer, the loss), with dynamic shapes
     # the backends torch's fused attention may choose among, e.g. [flash, efficient]; None: torch's choice
     attention_backends: list[str] | None = None
-    # each step CUDA graph replays, a graph per batch shape (transformer/training/graphs.py); None: on
-    # CUDA where it can be (length buckets, one process, no mixture of experts)
+    # each step run as CUDA graph replays, a graph per batch shape (transformer/training/graphs.py); None:
+    # on CUDA where it can be (length buckets, one process, no mixture of experts)
     cuda_graphs: bool | None = None
     save_every_steps: int = 1000  # 0 = off
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
@@ -347,9 +347,9 @@ class TrainerConfig(DeviceConfig):
         if self.profile_steps is not None:
             steps = self.profile_steps
             self.require(
-                len(steps) == 2 and 1 <= steps[0] <= steps[1],
+                len(steps) == 2 and 1 <= steps[0] <= steps[1] <= self.max_steps,
                 "profile_steps",
-                "must be [first, last], two optimizer steps with 1 <= first <= last",
+                f"must be [first, last]: optimizer steps, 1 <= first <= last <= max_steps ({self.max_steps})",
             )
         if self.attention_backends is not None:
             unknown = sorted(set(self.attention_backends) - set(ATTENTION_BACKENDS))

@@ -102,6 +102,14 @@ class Monitor:
         )
         self._sums: dict[str, float] = {}
         self._last_time = time.perf_counter()
+        if enabled and profile_steps:
+            if start_step >= profile_steps[0]:
+                log.warning(
+                    "trainer.profile_steps=%s: the run goes on from step %d, past their start: no profile",
+                    profile_steps,
+                    start_step,
+                )
+            Profiler.set_up(device)
 
     def __enter__(self) -> Monitor:
         return self
@@ -200,7 +208,7 @@ class Monitor:
 
     def close(self) -> None:
         if self.profiler is not None:  # the run ended inside profile_steps: nothing to report
-            self.profiler.profile.stop()
+            self.profiler.cancel()
         if self.enabled:
             self.bar.close()
             self.writer.close()

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 
@@ -28,15 +29,23 @@ class Profiled:
 
 
 class Profiler:
-    """`start()`, then `stop(steps)` after the steps' results were read (the device has done them)."""
+    """`start()`, then `stop(steps)` once the steps are queued (it waits for the device), or `cancel()`."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def start(self) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.profile = torch.profiler.profile(activities=activities)
+        self.started = 0.0
+
+    @staticmethod
+    def set_up(device: torch.device) -> None:
+        """Start and stop a profile on CUDA once, before any CUDA graph is recorded: a graph recorded
+        before the profiler's first start can fault when replayed under it (pytorch issue 75504)."""
+        if device.type == "cuda":
+            with torch.profiler.profile(activities=[ProfilerActivity.CUDA]):
+                pass
+
+    def start(self) -> None:
         self.profile.start()
         self.started = time.perf_counter()
 
@@ -46,7 +55,11 @@ class Profiler:
         wall = time.perf_counter() - self.started
         self.profile.stop()
         averages = self.profile.key_averages()
-        # each kernel's time counts once, as its own ("Self CUDA" in the table's total)
-        kernel = sum(event.self_device_time_total for event in averages) / 1e6 if self.cuda else None
+        # the kernels' own events, as the table's "Self CUDA time total" (an operator repeats its kernels')
+        kernels = [event for event in averages if event.device_type == DeviceType.CUDA]
+        kernel = sum(event.self_device_time_total for event in kernels) / 1e6 if self.cuda else None
         order = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         return Profiled(steps, wall, kernel, averages.table(sort_by=order, row_limit=40), self.profile)
+
+    def cancel(self) -> None:
+        self.profile.stop()
