@@ -5,8 +5,9 @@ batches through a torch.nn.Transformer loop, eager and compiled.
 Each run of ours is a `train.py` process; its TensorBoard scalars (one per step) give the wall time of
 every step and its real target tokens, `TORCH_LOGS=recompiles` its recompiles. The first `first` steps
 are counted from the process's start (imports, data loading, compiles, cuDNN plans included); the
-`steady` steps after them on their own; PROFILED steps more run under torch.profiler
-(`trainer.profile_steps`), which gives the GPU's busy share on CUDA without slowing the timed steps.
+`steady` steps after them on their own. PROFILED steps more run under torch.profiler
+(`trainer.profile_steps`) for the GPU's kernel time per target token; times the steady tokens/s, that
+is the GPU's busy share in the steady steps (the profiler slows the host, not the kernels).
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def run_ours(
     row = _windows(name, start, steps, args.loop_steps)
     row["recompiles"] = log.count("Recompiling function")
     row["peak_gib"] = max((m.value for m in _scalars(run_dir, "train/peak_mem_gib")), default=None)
-    row["gpu_busy"] = next((m.value for m in _scalars(run_dir, "profile/device_busy")), None)
+    kernel_ms = next((m.value for m in _scalars(run_dir, "profile/kernel_ms_per_step")), None)
+    row["gpu_busy"] = _busy(None if kernel_ms is None else kernel_ms * PROFILED / 1000, steps, row)
     return {**row, **_batching(run_dir)}
 
 
@@ -172,9 +174,19 @@ def run_peer(
         total.item()  # the one read per step, as the training loop's
         steps.append((time.time(), float(tokens)))
     row = _windows("peer-compiled" if compiled else "peer", start, steps, args.loop_steps)
-    row["gpu_busy"] = profiler.stop(PROFILED).busy
+    row["gpu_busy"] = _busy(profiler.stop(PROFILED).kernel_seconds, steps, row)
     row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return row
+
+
+def _busy(
+    kernel_seconds: float | None, steps: list[tuple[float, float]], row: dict[str, Any]
+) -> float | None:
+    """The GPU's busy share in the steady steps: the kernel time per target token of the profiled steps
+    (the last PROFILED of `steps`) times the steady target tokens/s; None without kernel times."""
+    if kernel_seconds is None:
+        return None
+    return kernel_seconds / sum(tokens for _, tokens in steps[-PROFILED:]) * row["steady_tokens_per_s"]
 
 
 def _windows(
