@@ -4,6 +4,7 @@ buffers, copies and in-place updates that a replay reads and writes, against the
 bit. On a GPU (`-m gpu`): the real graphs against eager, resume either way, no waiting in a replay."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,9 +18,11 @@ from test_training_run import (  # noqa: F401 (the corpus fixture)
 
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
+from transformer.kernels import Kernels
 from transformer.training import loop, train
 from transformer.training import step as training_step
-from transformer.training.graphs import StepGraphs
+from transformer.training.distributed import Runtime
+from transformer.training.graphs import StepGraphs, use_cuda_graphs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -120,6 +123,21 @@ def test_cuda_graphs_are_refused_first_where_they_cannot_run(corpus, tmp_path, m
         train(compose_config(args))
 
 
+def test_cuda_graphs_are_off_with_ddp_and_refused_when_set():
+    """Two processes on CUDA devices: DDP's all-reduce is not recorded (decided without a device)."""
+    cfg = compose_config(["trainer.length_buckets=12"])
+    ranks = Runtime(
+        rank=0, world_size=2, device=torch.device("cuda"), dtype=torch.bfloat16, kernels=Kernels()
+    )
+    assert use_cuda_graphs(cfg, ranks, bucketed=True) is False
+    assert use_cuda_graphs(cfg, replace(ranks, world_size=1), bucketed=True) is True
+    cfg = replace(cfg, trainer=replace(cfg.trainer, cuda_graphs=True))
+    with pytest.raises(
+        ConfigError, match="needs one process, not 2: DDP's gradient all-reduce is not recorded"
+    ):
+        use_cuda_graphs(cfg, ranks, bucketed=True)
+
+
 def test_cuda_graphs_are_off_by_default_on_a_cpu(corpus, tmp_path, caplog):  # noqa: F811
     caplog.set_level("INFO", logger="transformer.training.loop")
     train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=1", *BUCKETED)))
@@ -160,13 +178,21 @@ def test_on_a_gpu_graphed_steps_train_as_eager_ones(corpus, tmp_path, caplog):  
 
 @pytest.mark.gpu
 def test_on_a_gpu_a_graphed_run_resumes_with_graphs_off_and_on(corpus, tmp_path):  # noqa: F811
+    """Steps 1-5 with graphs, 6-10 without, 11-15 with (dropout off): the weights of an uninterrupted
+    graphed run within bf16 noise, and a checkpoint whose learning rate is a number."""
     _cuda_or_skip()
-    args = overrides(corpus, tmp_path, *GPU, "trainer.save_every_steps=5")
+    args = [*GPU, "model.dropout=0", "trainer.save_every_steps=5"]
+    whole = tmp_path / "whole"
+    train(compose_config(overrides(corpus, whole, *args, "trainer.max_steps=15", "trainer.cuda_graphs=true")))
+    parts = tmp_path / "parts"
     for steps, graphs in ((5, "true"), (10, "false"), (15, "true")):
-        train(compose_config([*args, f"trainer.max_steps={steps}", f"trainer.cuda_graphs={graphs}"]))
-    final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_15.pt")
-    assert final["step"] == 15 and all(t.isfinite().all() for t in final["model"].values())
-    assert isinstance(final["optimizer"]["param_groups"][0]["lr"], float)
+        extra = [f"trainer.max_steps={steps}", f"trainer.cuda_graphs={graphs}"]
+        train(compose_config(overrides(corpus, parts, *args, *extra)))
+    final = load_checkpoint(parts / "checkpoints" / "checkpoint_15.pt")
+    expected = load_checkpoint(whole / "checkpoints" / "checkpoint_15.pt")
+    assert final["step"] == 15 and isinstance(final["optimizer"]["param_groups"][0]["lr"], float)
+    for name, tensor in final["model"].items():
+        torch.testing.assert_close(tensor, expected["model"][name], rtol=0.02, atol=2e-3, msg=name)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,6 @@
 """The training step as CUDA graphs (`trainer.cuda_graphs`): the forward and backward of each batch
-shape recorded once and replayed, and the gradient norm with Adam's update (§5.3) the same, so that the
-host launches a graph per batch instead of each of its kernels. The math is `step.queue_step`'s.
-
-A replay reads and writes the memory its recording saw: each batch is copied into its shape's inputs,
-the gradients accumulate in place and the update zeroes them, the learning rate is a device tensor
-that the schedule fills (Adam `capturable`), the step's sums and figures have buffers of their own.
-The first batch of a shape runs eagerly before it is recorded (the warm-up a recording needs) and
-counts: it is that step's batch. With length buckets a run has a dozen shapes, so a dozen graphs.
+shape, and the gradient norm with Adam's update (§5.3), recorded once and replayed; the math is
+`step.queue_step`'s (docs/performance.md, "The step as CUDA graphs").
 """
 
 from __future__ import annotations
@@ -28,9 +22,9 @@ Recorder = Callable[[Callable[[], None]], Callable[[], None]]  # work -> its rep
 
 
 def use_cuda_graphs(cfg: TrainConfig, runtime: Runtime, bucketed: bool) -> bool:
-    """Whether this run's steps are CUDA graph replays (trainer.cuda_graphs; unset: wherever they can
-    run); set to true where they cannot, a ConfigError that says what they need. bucketed: the run
-    batches in length buckets (a graph per shape)."""
+    """Whether this run's steps are CUDA graph replays: trainer.cuda_graphs, or where unset, wherever
+    they can run. Set to true where they cannot: a ConfigError that says what they need. bucketed: the
+    run batches in length buckets (a graph per shape)."""
     trainer = cfg.trainer
     needs = []
     if runtime.device.type != "cuda":
@@ -48,8 +42,10 @@ def use_cuda_graphs(cfg: TrainConfig, runtime: Runtime, bucketed: bool) -> bool:
 
 class StepGraphs:
     """queue(counts, micro): `step.queue_step` for one step of a single-process run, as replays of the
-    graphs of its batch shapes and of the update. `record` (default: CUDA graphs on a side stream, all
-    in one memory pool) runs the work it is given once and returns its replay."""
+    graphs of its batch shapes and of the update. What a replay reads stays where its recording saw it:
+    gradients accumulate in place, the learning rate is a device tensor the schedule fills, sums and
+    results have buffers of their own. `record` (default: CUDA graphs on a side stream, in one memory
+    pool) runs the work it is given once, as that step's, and returns its replay."""
 
     def __init__(self, run: Run, objective: nn.Module, record: Recorder | None = None) -> None:
         device = run.runtime.device
@@ -65,7 +61,8 @@ class StepGraphs:
             group.update(lr=torch.tensor(float(group["lr"]), dtype=dtype, device=device), capturable=True)
         self.counts = torch.zeros(3, dtype=torch.float64, device=device)  # target tokens, stop, save
         self.sums = torch.zeros(2, device=device)  # loss and NLL over the step's batches
-        self.values = torch.zeros(6, dtype=torch.float64, device=device)  # what queue_step returns
+        # what queue_step returns: the 2 sums, the 3 counts, the gradient norm
+        self.values = torch.zeros(6, dtype=torch.float64, device=device)
         self.shapes: dict[tuple[int, ...], tuple[Batch, Callable[[], None]]] = {}
         self.replay_update: Callable[[], None] | None = None
 
@@ -85,7 +82,7 @@ class StepGraphs:
                     self.replay_update = self.record(self._update)
             else:
                 self.replay_update()
-            values = self.values.clone()
+            values = self.values.clone()  # this step's, whatever the next step's replays write
         if stream is not None:
             torch.cuda.current_stream().wait_stream(stream)
         return values, []
@@ -138,7 +135,7 @@ class _CudaRecorder:
             ):
                 try:
                     work()
-                except Exception as error:  # said as it is, not as the broken recording it leaves
+                except Exception as error:  # raised as itself, not as the failed end of the recording
                     failure = error
         except RuntimeError:
             if failure is None:

@@ -133,7 +133,6 @@ class Run:
                 eps=cfg.eps,
                 weight_decay=cfg.weight_decay,
                 lr=factor(self.scheduler.last_epoch),  # the schedule of this run (base lr 1.0)
-                capturable=False,  # until this run's CUDA graphs (training/graphs.py) ask for it
             )
 
 
