@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -27,12 +27,16 @@ from transformer.training.monitor import train_flops
 from transformer.training.policy import TrainingError
 from transformer.training.state import Run
 
-if TYPE_CHECKING:
-    from transformer.training.graphs import StepGraphs
+
+class Replays(Protocol):
+    """The step as replays of recorded work (`graphs.StepGraphs`): `queue_step`'s result, given the
+    step's counts on the device and its batches."""
+
+    def queue(self, counts: Tensor, micro: list[Batch]) -> tuple[Tensor, list[str]]: ...
 
 
 def queue_step(
-    run: Run, objective: nn.Module, micro: list[Batch], flags: list[float], graphs: StepGraphs | None = None
+    run: Run, objective: nn.Module, micro: list[Batch], flags: list[float], graphs: Replays | None = None
 ) -> tuple[Tensor, list[str]]:
     """Queue one optimizer step on the device without waiting for it: forward/backward over this
     rank's batches, the gradient norm, and the update, which the device itself skips when the loss
