@@ -119,7 +119,8 @@ class Monitor:
 
     def before_step(self, step: int) -> None:
         """Optimizer step `step` is about to be queued: the profile starts at the first of profile_steps."""
-        if self.enabled and self.profile_steps and step == self.profile_steps[0]:
+        starts = self.profile_steps and step == self.profile_steps[0] and self.profiler is None  # once
+        if self.enabled and starts:
             self.profiler = Profiler(self.device)
             self.profiler.start()
 
