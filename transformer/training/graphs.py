@@ -6,8 +6,8 @@ shape, and the gradient norm with Adam's update (§5.3), recorded once and repla
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -68,11 +68,8 @@ class StepGraphs:
 
     def queue(self, counts: Tensor, micro: list[Batch]) -> tuple[Tensor, list[str]]:
         """Queue the step: (the device tensor `finish_step` reads, its figures' names: none)."""
-        stream = self.stream
         self.counts.copy_(counts)  # on the stream that made `counts`: its memory is free once we return
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())  # the batches were sent on the default stream
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        with _on_side(self.stream):
             self.sums.zero_()
             for batch in micro:
                 self._forward_backward(batch)
@@ -83,8 +80,6 @@ class StepGraphs:
             else:
                 self.replay_update()
             values = self.values.clone()  # this step's, whatever the next step's replays write
-        if stream is not None:
-            torch.cuda.current_stream().wait_stream(stream)
         return values, []
 
     def _forward_backward(self, batch: Batch) -> None:
@@ -108,6 +103,19 @@ class StepGraphs:
     def _update(self) -> None:
         values, _ = update(self.run, self.sums, self.counts, {}, set_to_none=False)
         self.values.copy_(values)
+
+
+@contextmanager
+def _on_side(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Work on `stream` (None: where it is), after what the current stream queued (the batches were
+    sent there) and before what it queues next (the step's read)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def _tensors(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
