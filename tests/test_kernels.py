@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformer.attention import MultiHeadAttention
 from transformer.config import ModelConfig
 from transformer.kernels import Kernels, Products
-from transformer.kernels.cpu import SHORT_KEYS, NoiseDropout, ShortAttention
+from transformer.kernels.cpu import FEW_QUERIES, SHORT_KEYS, NoiseDropout, ShortAttention
 from transformer.model import Transformer
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -167,14 +167,18 @@ def test_short_attention_is_written_out_and_longer_attention_fused(kind, monkeyp
     expected = attn(x, memory, key_mask)  # the plain module: the fused kernel
     attn = CPU.apply(attn)
     assert type(attn) is ShortAttention
-    for grad in (True, False):  # 5 or 7 keys: written out (at inference also a few queries)
+    for grad in (False, True):  # 5 or 7 keys: written out at inference, fused where gradients flow
         with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
             torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
-        assert calls == []
-    monkeypatch.setattr("transformer.kernels.cpu.SHORT_KEYS", 0)  # longer attention takes the fused kernel
-    with sdpa_calls(monkeypatch) as calls:
+        assert len(calls) == grad
+    monkeypatch.setattr("transformer.kernels.cpu.SHORT_KEYS", 0)  # more keys, and 5 queries: written out
+    with torch.no_grad(), sdpa_calls(monkeypatch) as calls:
         torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
-    assert len(calls) == 1 and SHORT_KEYS == 64
+    assert calls == []
+    monkeypatch.setattr("transformer.kernels.cpu.FEW_QUERIES", 4)  # more keys and queries: fused
+    with torch.no_grad(), sdpa_calls(monkeypatch) as calls:
+        torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
+    assert len(calls) == 1 and (SHORT_KEYS, FEW_QUERIES) == (64, 16)
 
 
 @pytest.mark.parametrize("dropout", [torch.nn.Dropout, NoiseDropout])

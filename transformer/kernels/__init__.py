@@ -31,7 +31,7 @@ M = TypeVar("M", bound=nn.Module)
 
 class Kernels:
     """Which CPU kernels a model runs with: float32 products on oneDNN (`onednn`), dropout masks drawn
-    from noise (`noise_dropout`), short attention written out (`short_attention`)."""
+    from noise (`noise_dropout`), short attention at inference written out (`short_attention`)."""
 
     def __init__(self, onednn: bool = False, noise_dropout: bool = False, short_attention: bool = False):
         self.onednn, self.noise_dropout, self.short_attention = onednn, noise_dropout, short_attention
@@ -41,7 +41,7 @@ class Kernels:
     def choose(cls, device: torch.device, setting: str = "auto", cpu: CpuFeatures | None = None) -> Kernels:
         """The kernels for a device: none off a CPU or with setting "off", all with "on"; with "auto",
         by the CPU's instruction set, each where it was measured to win (docs/performance.md, "Which
-        kernel where"): oneDNN products and short attention on AVX-512, noise dropout on any x86 CPU,
+        kernel where"): oneDNN products on AVX-512, noise dropout and short attention on any x86 CPU,
         nothing on others."""
         if device.type != "cpu" or setting == "off":
             return cls()
@@ -49,7 +49,7 @@ class Kernels:
             return cls(onednn=True, noise_dropout=True, short_attention=True)
         cpu = cpu_features() if cpu is None else cpu
         avx512 = cpu.x86 and cpu.capability.startswith("AVX512") and torch.backends.mkldnn.is_available()
-        return cls(onednn=avx512, noise_dropout=cpu.x86, short_attention=avx512)
+        return cls(onednn=avx512, noise_dropout=cpu.x86, short_attention=cpu.x86)
 
     def record(self) -> dict[str, bool]:
         """The choice as a checkpoint keeps it (a resumed run takes the same kernels: the noise dropout

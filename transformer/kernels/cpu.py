@@ -3,7 +3,8 @@ same function as the module it replaces, with the same parameters:
 
 - `nn.Linear` -> `OneDNNLinear`, `FeedForward` -> `OneDNNFeedForward`: float32 products on oneDNN;
 - `nn.Dropout` -> `NoiseDropout`: the mask drawn from uniform noise;
-- `MultiHeadAttention` -> `ShortAttention`: short attention written out instead of the fused kernel.
+- `MultiHeadAttention` -> `ShortAttention`: short attention at inference written out instead of the fused
+  kernel.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from transformer.attention import MultiHeadAttention, reference_attention
 from transformer.kernels.onednn import Products
 from transformer.layers import FeedForward
 
-# attention over at most SHORT_KEYS keys, and at inference that of at most FEW_QUERIES queries per row
-# (a decoding step), is written out
+# at inference, attention over at most SHORT_KEYS keys or of at most FEW_QUERIES queries per row (a
+# decoding step) is written out
 SHORT_KEYS = 64
 FEW_QUERIES = 16
 
@@ -52,12 +53,14 @@ class NoiseDropout(nn.Dropout):
 
 
 class ShortAttention(MultiHeadAttention):
-    """`MultiHeadAttention` with short attention written out (`reference_attention`); compiled code
-    keeps the fused kernel."""
+    """`MultiHeadAttention` with short attention at inference written out (`reference_attention`);
+    training and compiled code keep the fused kernel."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        short = not torch.compiler.is_compiling() and (  # sizes read only outside compiled code
-            k.size(2) <= SHORT_KEYS or (q.size(2) <= FEW_QUERIES and not torch.is_grad_enabled())
+        short = (
+            not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()  # sizes read only outside compiled code
+            and (k.size(2) <= SHORT_KEYS or q.size(2) <= FEW_QUERIES)
         )
         if not short:
             return super().attend(q, k, v, mask, causal)
