@@ -12,6 +12,8 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
           nn.Transformer  torch.nn.Transformer + one shared embedding (x sqrt(d_model)), sinusoidal
                           positions and the tied output projection (§3.4-3.5),
           Marian (HF)     Hugging Face MarianMTModel built from a MarianConfig of the same dims (sdpa),
+        and on a CPU, eager only, ours with its CPU kernels off (cpu_kernels=off) and, where the
+        instruction set chooses fewer than all (AVX2), on (cpu_kernels=on), as in decode;
         each eager and under torch.compile (ours by regions with dynamic shapes, as training compiles
         it; the peers whole with static shapes; `--no-compile` skips compiling). Reported: target tokens/s
         (median of `--steps` steps, the models interleaved step by step so a busy machine slows all alike),

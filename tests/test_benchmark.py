@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import transformer.kernels as kernels_module
+from transformer.devices import CpuFeatures
+from transformer.kernels import Kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--size", "tiny", "--device", "cpu", "--threads", "1", "--steps", "2", "--warmup", "1",
@@ -45,11 +49,19 @@ def write_corpus(directory: Path, n: int) -> None:
     (directory / "train.de").write_text("\n".join(de) + "\n")
 
 
+def side_rows() -> list[str]:
+    """Ours beside itself on this CPU: without the CPU kernels, and with all of them where this machine
+    chooses fewer (e.g. AVX2)."""
+    cpu = torch.device("cpu")
+    fewer = Kernels.choose(cpu).record() != Kernels.choose(cpu, "on").record()
+    return ["ours (kernels off)"] + ["ours (kernels on)"] * fewer
+
+
 def check_train(train: dict, families: set[str], modes: set[str]) -> None:
-    """Every family in every mode; on a CPU also ours without the CPU kernels, eager."""
+    """Every family in every mode; on a CPU also ours beside itself (`side_rows`), eager."""
     rows = train["fixed"]
-    families = families | {"ours (kernels off)"}
-    expected = {(f, m) for f in families for m in modes if f != "ours (kernels off)" or m == "eager"}
+    families = families | set(side_rows())
+    expected = {(f, m) for f in families for m in modes if f not in side_rows() or m == "eager"}
     assert {(r["model"], r["mode"]) for r in rows} == expected
     for r in rows:
         for key in ("tokens_per_s", "ms_per_step", "gflop_per_step", "mfu", "params_m", "first_step_s"):
@@ -79,7 +91,7 @@ def test_every_section_at_tiny_sizes(tmp_path):
         decoders = [
             "ours",
             *policies,  # the search's other policies, against beam 4 only
-            "ours (kernels off)",  # on a CPU, beside the kernels its instruction set chose
+            *side_rows(),  # on a CPU, beside the kernels its instruction set chose
             "ours int8",
             "CTranslate2 float32",
             "CTranslate2 int8",
@@ -181,13 +193,14 @@ def test_eager_figures_are_on_disk_before_compiling_and_a_failed_compile_leaves_
     early = on_disk_when_compiling[0]["train"]
     assert {(r["model"], r["mode"]) for r in early["fixed"]} == {
         ("ours", "eager"),
-        ("ours (kernels off)", "eager"),
+        *((side, "eager") for side in side_rows()),
         ("nn.Transformer", "eager"),
     }
     assert early["sampled"]["rows"] and early["projections"]
     rows = report["train"]["fixed"]
     assert {(r["model"], r["mode"]) for r in rows} == {
-        ("ours", "eager"), ("ours (kernels off)", "eager"), ("nn.Transformer", "eager"), ("ours", "compiled")
+        ("ours", "eager"), *((side, "eager") for side in side_rows()), ("nn.Transformer", "eager"),
+        ("ours", "compiled"),
     }  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in rows)
     assert (
@@ -319,3 +332,21 @@ def test_bad_loop_flags_are_refused_before_any_work(monkeypatch, capsys, flags):
         benchmark.parse_args(["--sections", "loop", *flags])
     error = capsys.readouterr().err
     assert "--loop-steps" in error or "unknown section(s), peer(s) or loop run(s): fast" in error
+
+
+def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them(monkeypatch, tmp_path):
+    """On an AVX2 CPU (faked) ours runs with the kernels it chooses there, and beside them with none
+    and with all of them, in training and in decoding, so that one run shows whether the choice wins."""
+    avx2 = CpuFeatures("AVX2", True, False, False, "x86 with AVX2")
+    monkeypatch.setattr(kernels_module, "cpu_features", lambda: avx2)
+    benchmark = load_benchmark(monkeypatch)
+    flags = ["--no-compile", "--peers", "", "--beam-sentences", "2", "--greedy-sentences", "2"]
+    flags += ["--src-len", "4", "--new-tokens", "3", "--decode-rounds", "1"]
+    report = benchmark.main([*TINY, *flags, "--sections", "train,decode", "--json", str(tmp_path / "b.json")])
+    assert report["meta"]["cpu_kernels"] == "noise_dropout, short_attention"
+    ours = ["ours", "ours (kernels off)", "ours (kernels on)"]
+    assert [r["model"] for r in report["train"]["fixed"]] == ours
+    assert [r["model"] for r in report["train"]["sampled"]["rows"]] == ours
+    for mode in report["decode"].values():
+        assert {"ours", "ours (kernels off)", "ours (kernels on)"} <= {r["decoder"] for r in mode["rows"]}
+        assert all(r["output_tokens"] == 2 * 3 for r in mode["rows"])

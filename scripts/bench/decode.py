@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bench.measure import FIRST_TOKEN, Setup, interleave
+from bench.measure import FIRST_TOKEN, KERNELS_OFF, KERNELS_ON, Setup, interleave, side_kernels
 from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ModelConfig
 from transformer.decoding import Sampling, beam_search, greedy_search, search_weights
@@ -25,8 +25,7 @@ from transformer.model import Transformer
 from transformer.vocab import EOS_ID
 
 POLICIES = ("ours, n-best 4", "ours, 4 samples (top-k 50)")
-KERNELS_OFF = "ours (kernels off)"  # on a CPU: ours without the CPU kernels (cpu_kernels=off)
-SIDE_ROWS = (*POLICIES, KERNELS_OFF)  # compared with ours, not with the peers
+SIDE_ROWS = (*POLICIES, KERNELS_OFF, KERNELS_ON)  # compared with ours, not with the peers
 
 
 def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
@@ -120,8 +119,8 @@ def build_decoders(
     # the search's other policies, beam 4 only (translate.py nbest=4; sampling=true nbest=4 topk=50)
     decoders[POLICIES[0]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, nbest=4))
     decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, sampling=Sampling(topk=50)))
-    if not cuda:  # the same search in plain PyTorch (cpu_kernels=off)
-        decoders[KERNELS_OFF] = ("ours", ours_decoder(ours, args.new_tokens, Kernels()))
+    for name, side in side_kernels(setup.device).items():  # the same search, cpu_kernels=off (and =on)
+        decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
     if not cuda:  # translate.py precision=int8: a copy of the weights in 8 bits (section_decode packs them)
         int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device))
         decoders["ours int8"] = ("ours", int8)

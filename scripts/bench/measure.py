@@ -20,10 +20,12 @@ import torch
 from torch.utils import flop_counter
 from tqdm import tqdm
 
-from transformer.kernels import Products
+from transformer.kernels import Kernels, Products
 
 FIRST_TOKEN = 4  # random ids start above the special ids (pad, unk, bos, eos)
 PAD_MULTIPLE = 8  # as trainer.pad_to_multiple
+KERNELS_OFF = "ours (kernels off)"  # plain PyTorch, cpu_kernels=off
+KERNELS_ON = "ours (kernels on)"  # every CPU kernel, cpu_kernels=on
 
 
 @dataclass
@@ -44,6 +46,18 @@ def make_setup(device_name: str, threads: int) -> Setup:
         return Setup(device, lambda: torch.autocast("cuda", dtype=torch.bfloat16))
     torch.set_num_threads(threads)
     return Setup(device, nullcontext)
+
+
+def side_kernels(device: torch.device) -> dict[str, Kernels]:
+    """Ours beside itself on a CPU: with the kernels off, and with all of them on where the instruction
+    set chooses fewer (e.g. AVX2), so that one run shows whether the choice wins there."""
+    if device.type != "cpu":
+        return {}
+    side = {KERNELS_OFF: Kernels()}
+    every = Kernels.choose(device, "on")
+    if Kernels.choose(device).record() != every.record():
+        side[KERNELS_ON] = every
+    return side
 
 
 def sync(device: torch.device) -> None:

@@ -25,6 +25,7 @@ from bench.measure import (
     matmul_peak,
     peak_memory,
     release_free_memory,
+    side_kernels,
     timed,
 )
 from bench.peers import MarianPeer, OursObjective, TorchTransformerPeer
@@ -52,24 +53,22 @@ class Trainee:
     optimizer: torch.optim.Optimizer
 
 
-KERNELS_OFF = "ours (kernels off)"  # on a CPU: ours without the CPU kernels, beside them
-
-
 def build_trainees(cfg: ModelConfig, families: list[str], setup: Setup, seed: int, compile: bool) -> list:
     """Every family eager, and compiled when asked (the same weights and Adam: compile wraps the module)."""
     builders = {"ours": OursObjective, "nn.Transformer": TorchTransformerPeer, "Marian (HF)": MarianPeer}
+    side = side_kernels(setup.device)  # trainer.cpu_kernels=off (and =on)
     trainees = []
     for name in families:
         torch.manual_seed(seed)
         if name == "ours":  # with the kernels as training hands them over (training/state.py)
             module = OursObjective(cfg, setup.label_smoothing, Kernels.choose(setup.device))
-        elif name == KERNELS_OFF:  # plain PyTorch, trainer.cpu_kernels=off
-            module = OursObjective(cfg, setup.label_smoothing, Kernels())
+        elif name in side:
+            module = OursObjective(cfg, setup.label_smoothing, side[name])
         else:
             module = builders[name](cfg, setup.label_smoothing)
         module = module.to(setup.device).train()
         optimizer = torch.optim.Adam(module.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-9, fused=True)
-        compiles = compile and name != KERNELS_OFF  # (compiled code takes no CPU kernel anyway)
+        compiles = compile and name not in side  # (compiled code takes no CPU kernel anyway)
         eager = Eager(module) if compiles and name == "ours" else module
         trainees.append(Trainee(name, "eager", eager, module, optimizer))
         if compiles:
@@ -326,7 +325,7 @@ def section_train(
     paper's budgets. The eager models come first and their figures are published (written to the JSON)
     before anything compiles: compiling takes most of the section's time and is its likeliest failure.
     Then the compiled models join, and every model is timed again, interleaved with all the others."""
-    families = ["ours"] + [KERNELS_OFF] * (setup.device.type == "cpu")
+    families = ["ours", *side_kernels(setup.device)]
     families += ["nn.Transformer"] * ("torch" in peers) + ["Marian (HF)"] * ("marian" in peers)
     batch = random_batch(cfg, args.batch, args.length, torch.Generator().manual_seed(args.seed))
     batch = batch.to(setup.device)
