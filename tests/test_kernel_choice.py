@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import sources, tiny_model
 from test_training_run import assert_same_state, compose_config, corpus, overrides  # noqa: F401 (fixture)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer.kernels as kernels_module
 from transformer import devices
@@ -94,6 +95,42 @@ def test_a_resumed_run_takes_the_kernels_it_was_trained_with(corpus, tmp_path, m
         "noise_dropout": False,
         "short_attention": False,
     }
+
+
+FLOAT_PRODUCTS = {"linear", "addmm", "mm", "_linear_pointwise"}  # F.linear's ops, oneDNN's
+
+
+class OpsCalled(TorchDispatchMode):
+    """The names of the ATen (and quantized) ops run within the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("setting", ["auto", "off"])
+@pytest.mark.parametrize("isa", ["AVX-512", "AVX2"])
+def test_int8_translation_multiplies_every_linear_map_in_8_bits_whatever_the_kernels(
+    tiny_checkpoint, monkeypatch, isa, setting
+):
+    """precision=int8: every product of a linear map (encoder, decoder, output projection) is fbgemm's
+    8-bit one, with the oneDNN products chosen or not; no float32 product of one is left."""
+    monkeypatch.setattr(kernels_module, "cpu_features", lambda: ISAS[isa])
+    translator = Translator.from_checkpoint(
+        tiny_checkpoint, precision="int8", device="cpu", cpu_kernels=setting
+    )
+    with OpsCalled() as ops:
+        assert translator.translate(["The cat sees the house.", "A dog"])[1] is not None
+    quantized = ops.names.count("linear_dynamic") + ops.names.count("linear_relu_dynamic")
+    assert quantized > 0 and not FLOAT_PRODUCTS & set(ops.names)
+    translator = Translator.from_checkpoint(tiny_checkpoint, device="cpu", cpu_kernels=setting)  # float32
+    with OpsCalled() as ops:
+        translator.translate(["The cat sees the house.", "A dog"])
+    assert "linear_dynamic" not in ops.names and FLOAT_PRODUCTS & set(ops.names)
 
 
 def test_int8_is_refused_on_a_cpu_without_fbgemms_engine_and_bf16_is_not_auto_there(

@@ -110,7 +110,7 @@ class Translator:
                 raise ConfigError(
                     f"{checkpoints[0]} and {path} have different tokenizers: an ensemble needs one vocabulary"
                 )
-        kernels = Kernels.choose(device, cfg.cpu_kernels)
+        kernels = Kernels.choose(device, cfg.cpu_kernels, int8=cfg.precision == "int8")
         # .to() out of _load: a device's error (out of memory) is not the file's
         models = [kernels.apply(model.to(device, dtype)) for model, _, _ in loaded]
         ckpt = loaded[0][2]

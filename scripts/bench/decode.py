@@ -122,7 +122,7 @@ def build_decoders(
     for name, side in side_kernels(setup.device).items():  # the same search, cpu_kernels=off (and =on)
         decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
     if not cuda:  # translate.py precision=int8: a copy of the weights in 8 bits (section_decode packs them)
-        int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device))
+        int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device, int8=True))
         decoders["ours int8"] = ("ours", int8)
     # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that the others have warmed
     # up first (a capture that raises drops this row with a note; one that broke the CUDA context would

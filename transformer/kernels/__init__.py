@@ -31,25 +31,38 @@ M = TypeVar("M", bound=nn.Module)
 
 class Kernels:
     """Which CPU kernels a model runs with: float32 products on oneDNN (`onednn`), dropout masks drawn
-    from noise (`noise_dropout`), short attention at inference written out (`short_attention`)."""
+    from noise (`noise_dropout`), short attention at inference written out (`short_attention`); with
+    `int8` (decoding's precision=int8, whatever the kernels) every linear map multiplies through
+    `products`, whose 8-bit packed weights it then uses."""
 
-    def __init__(self, onednn: bool = False, noise_dropout: bool = False, short_attention: bool = False):
+    def __init__(
+        self,
+        onednn: bool = False,
+        noise_dropout: bool = False,
+        short_attention: bool = False,
+        int8: bool = False,
+    ):
         self.onednn, self.noise_dropout, self.short_attention = onednn, noise_dropout, short_attention
+        self.int8 = int8
         self.products = Products(onednn)
 
     @classmethod
-    def choose(cls, device: torch.device, setting: str = "auto", cpu: CpuFeatures | None = None) -> Kernels:
+    def choose(
+        cls, device: torch.device, setting: str = "auto", cpu: CpuFeatures | None = None, int8: bool = False
+    ) -> Kernels:
         """The kernels for a device: none off a CPU or with setting "off", all with "on"; with "auto",
         by the CPU's instruction set, each where it was measured to win (docs/performance.md, "Which
         kernel where"): oneDNN products on AVX-512, noise dropout and short attention on any x86 CPU,
-        nothing on others."""
-        if device.type != "cpu" or setting == "off":
+        nothing on others. `int8` for 8-bit products, with any setting."""
+        if device.type != "cpu":
             return cls()
+        if setting == "off":
+            return cls(int8=int8)
         if setting == "on":
-            return cls(onednn=True, noise_dropout=True, short_attention=True)
+            return cls(onednn=True, noise_dropout=True, short_attention=True, int8=int8)
         cpu = cpu_features() if cpu is None else cpu
         avx512 = cpu.x86 and cpu.capability.startswith("AVX512") and torch.backends.mkldnn.is_available()
-        return cls(onednn=avx512, noise_dropout=cpu.x86, short_attention=cpu.x86)
+        return cls(onednn=avx512, noise_dropout=cpu.x86, short_attention=cpu.x86, int8=int8)
 
     def record(self) -> dict[str, bool]:
         """The choice as a checkpoint keeps it (a resumed run takes the same kernels: the noise dropout
@@ -69,10 +82,10 @@ class Kernels:
         return replaced(model, self._replacement)
 
     def _replacement(self, module: nn.Module) -> nn.Module | None:
-        kind = type(module)
-        if self.onednn and kind is nn.Linear:
+        kind, through_products = type(module), self.onednn or self.int8
+        if through_products and kind is nn.Linear:
             return shallow_copy(module, OneDNNLinear, products=self.products)
-        if self.onednn and kind is FeedForward:
+        if through_products and kind is FeedForward:
             return shallow_copy(module, OneDNNFeedForward, products=self.products)
         if self.noise_dropout and kind is nn.Dropout:
             return shallow_copy(module, NoiseDropout)

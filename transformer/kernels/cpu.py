@@ -1,7 +1,8 @@
 """The CPU kernels as module replacements (docs/performance.md, "CPU kernels"), each computing the
 same function as the module it replaces, with the same parameters:
 
-- `nn.Linear` -> `OneDNNLinear`, `FeedForward` -> `OneDNNFeedForward`: float32 products on oneDNN;
+- `nn.Linear` -> `OneDNNLinear`, `FeedForward` -> `OneDNNFeedForward`: float32 products on oneDNN (or
+  8-bit ones, precision=int8);
 - `nn.Dropout` -> `NoiseDropout`: the mask drawn from uniform noise;
 - `MultiHeadAttention` -> `ShortAttention`: short attention at inference written out instead of the fused
   kernel.
@@ -23,7 +24,7 @@ FEW_QUERIES = 16
 
 
 class OneDNNLinear(nn.Linear):
-    """`nn.Linear` (the same parameters) computed by `products`."""
+    """`nn.Linear` (the same parameters) computed by `products`: on oneDNN, or with 8-bit packed weights."""
 
     products: Products
 
