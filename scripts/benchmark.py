@@ -27,9 +27,11 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
         measured with `--big`, else its speed is the base speed scaled by the FLOPs counted for both.
 decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output tokens (EOS suppressed
         until then): beam 4 over `--beam-sentences` and greedy over `--greedy-sentences` for ours
-        (beam_search / greedy_search with min_len; on a CPU the weights packed for oneDNN once for all
-        runs, as translate.py packs them once for all batches; on CUDA also beam_search in static shapes with
-        each step a CUDA graph replay, as translate.py cuda_graphs=true), Hugging Face `generate` and
+        (beam_search / greedy_search with min_len; on a CPU also with the kernels off, and on where the
+        instruction set chooses fewer, and in 8 bits (precision=int8), with the weights packed once for
+        all runs (for oneDNN where its products run, in 8 bits for int8), as translate.py packs them once
+        for all batches; on CUDA also beam_search in static shapes with each step a CUDA graph replay, as
+        translate.py cuda_graphs=true), Hugging Face `generate` and
         CTranslate2 (the same Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output
         tokens/s, sentences/s. The goals compare the fastest of ours with each peer.
 data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at `--data-budget` tokens:
@@ -52,8 +54,9 @@ Every model trains with fused Adam, as the training loop does. CUDA runs use bf1
 decoding runs the models in bf16 (as translate.py does) and CTranslate2 in `--ct2-compute`. CPU runs
 are fp32 on `--threads` threads. A step here is what the model, loss and optimizer cost; the training
 loop adds a gradient norm and three scalar reads per step. The matmul peak is torch's own (on the CPU
-the better of its two fp32 GEMMs, MKL and oneDNN; the project's linear layers use oneDNN there, see
-transformer/kernels/onednn.py), so MFU is relative to what torch reaches on this machine, not to the hardware.
+the better of its two fp32 GEMMs, MKL and oneDNN; the project's linear layers use oneDNN where the
+instruction set chooses it, see transformer/kernels/), so MFU is relative to what torch reaches on this
+machine, not to the hardware.
 Peers that are not installed (`pip install -e ".[bench]"`) are skipped with a note. The sections run
 in the order given, each printed and written to `--json` as soon as it ends (a killed run keeps what
 it measured; train writes its eager figures before it compiles anything); a section that fails is

@@ -19,7 +19,7 @@ import torch
 
 import transformer.kernels as kernels_module
 from transformer.devices import CpuFeatures
-from transformer.kernels import Kernels
+from transformer.kernels import Kernels, Products
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -339,6 +339,13 @@ def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them
     and with all of them, in training and in decoding, so that one run shows whether the choice wins."""
     avx2 = CpuFeatures("AVX2", True, False, False, "x86 with AVX2")
     monkeypatch.setattr(kernels_module, "cpu_features", lambda: avx2)
+    packed, prepacked = [], Products.prepacked  # which products decode with packed weights, as translate.py
+
+    def recording(products, weights, int8=False):
+        packed.append((products.onednn, int8))
+        return prepacked(products, weights, int8)
+
+    monkeypatch.setattr(Products, "prepacked", recording)
     benchmark = load_benchmark(monkeypatch)
     flags = ["--no-compile", "--peers", "", "--beam-sentences", "2", "--greedy-sentences", "2"]
     flags += ["--src-len", "4", "--new-tokens", "3", "--decode-rounds", "1"]
@@ -350,3 +357,4 @@ def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them
     for mode in report["decode"].values():
         assert {"ours", "ours (kernels off)", "ours (kernels on)"} <= {r["decoder"] for r in mode["rows"]}
         assert all(r["output_tokens"] == 2 * 3 for r in mode["rows"])
+    assert sorted(packed) == [(False, False), (False, True), (True, False)]  # ours, its int8 copy, all on

@@ -211,7 +211,7 @@ def section_decode(
         # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on
         # a CPU; CTranslate2 packs its own when it loads the model), the int8 copy's in 8 bits
         packed = ExitStack()
-        for name, int8 in (("ours", False), ("ours int8", True)):
+        for name, int8 in (("ours", False), (KERNELS_ON, False), ("ours int8", True)):
             if name in decoders:
                 run = decoders[name][1]
                 packed.enter_context(run.products.prepacked(search_weights(run.model, int8), int8))
