@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformer.attention import MultiHeadAttention
 from transformer.config import ModelConfig
 from transformer.kernels import Kernels, Products
-from transformer.kernels.cpu import FEW_QUERIES, SHORT_KEYS, NoiseDropout, ShortAttention
+from transformer.kernels.cpu import FEW_QUERIES, NARROW_HEAD, SHORT_KEYS, NoiseDropout, ShortAttention
 from transformer.model import Transformer
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -167,7 +167,12 @@ def test_short_attention_is_written_out_and_longer_attention_fused(kind, monkeyp
     expected = attn(x, memory, key_mask)  # the plain module: the fused kernel
     attn = CPU.apply(attn)
     assert type(attn) is ShortAttention
-    for grad in (False, True):  # 5 or 7 keys: written out at inference, fused where gradients flow
+    for grad in (False, True):  # 5 or 7 keys, heads of 8: written out, at inference and in training
+        with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
+            torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
+        assert calls == []
+    monkeypatch.setattr("transformer.kernels.cpu.NARROW_HEAD", 4)  # wider heads: fused where gradients flow
+    for grad in (False, True):
         with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
             torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
         assert len(calls) == grad
@@ -178,7 +183,7 @@ def test_short_attention_is_written_out_and_longer_attention_fused(kind, monkeyp
     monkeypatch.setattr("transformer.kernels.cpu.FEW_QUERIES", 4)  # more keys and queries: fused
     with torch.no_grad(), sdpa_calls(monkeypatch) as calls:
         torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
-    assert len(calls) == 1 and (SHORT_KEYS, FEW_QUERIES) == (64, 16)
+    assert len(calls) == 1 and (SHORT_KEYS, FEW_QUERIES, NARROW_HEAD) == (64, 16, 32)
 
 
 @pytest.mark.parametrize("dropout", [torch.nn.Dropout, NoiseDropout])

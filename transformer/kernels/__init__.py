@@ -31,7 +31,7 @@ M = TypeVar("M", bound=nn.Module)
 
 class Kernels:
     """Which CPU kernels a model runs with: float32 products on oneDNN (`onednn`), dropout masks drawn
-    from noise (`noise_dropout`), short attention at inference written out (`short_attention`); with
+    from noise (`noise_dropout`), short attention written out (`short_attention`); with
     `int8` (decoding's precision=int8, whatever the kernels) every linear map multiplies through
     `products`, whose 8-bit packed weights it then uses."""
 

@@ -4,8 +4,8 @@ same function as the module it replaces, with the same parameters:
 - `nn.Linear` -> `OneDNNLinear`, `FeedForward` -> `OneDNNFeedForward`: float32 products on oneDNN (or
   8-bit ones, precision=int8);
 - `nn.Dropout` -> `NoiseDropout`: the mask drawn from uniform noise;
-- `MultiHeadAttention` -> `ShortAttention`: short attention at inference written out instead of the fused
-  kernel.
+- `MultiHeadAttention` -> `ShortAttention`: short attention written out instead of the fused kernel
+  (in training only with narrow heads).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from transformer.attention import MultiHeadAttention, reference_attention
 from transformer.kernels.onednn import Products
 from transformer.layers import FeedForward
 
-# at inference, attention over at most SHORT_KEYS keys or of at most FEW_QUERIES queries per row (a
-# decoding step) is written out
+# written out instead of the fused kernel: at inference, attention over at most SHORT_KEYS keys or of at
+# most FEW_QUERIES queries per row (a decoding step); in training, over at most SHORT_KEYS keys with
+# heads of at most NARROW_HEAD dimensions
 SHORT_KEYS = 64
 FEW_QUERIES = 16
+NARROW_HEAD = 32
 
 
 class OneDNNLinear(nn.Linear):
@@ -54,15 +56,17 @@ class NoiseDropout(nn.Dropout):
 
 
 class ShortAttention(MultiHeadAttention):
-    """`MultiHeadAttention` with short attention at inference written out (`reference_attention`);
-    training and compiled code keep the fused kernel."""
+    """`MultiHeadAttention` with short attention written out (`reference_attention`) where that wins:
+    at inference, and in training with narrow heads; compiled code keeps the fused kernel."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        short = (
-            not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()  # sizes read only outside compiled code
-            and (k.size(2) <= SHORT_KEYS or q.size(2) <= FEW_QUERIES)
-        )
+        if torch.compiler.is_compiling():  # sizes read only outside compiled code
+            return super().attend(q, k, v, mask, causal)
+        grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if grads:
+            short = k.size(2) <= SHORT_KEYS and q.size(-1) <= NARROW_HEAD
+        else:
+            short = k.size(2) <= SHORT_KEYS or q.size(2) <= FEW_QUERIES
         if not short:
             return super().attend(q, k, v, mask, causal)
         return reference_attention(q, k, v, mask, causal, self.dropout if self.training else 0.0)[0]
