@@ -300,6 +300,12 @@ def test_targets_are_the_goals_of_the_device(monkeypatch):
     assert avx2["train step, ours (compiled) vs nn.Transformer (eager)"]["target"] == 1.0
     assert avx2["beam 4, ours vs CTranslate2 bfloat16"]["target"] == 1.1
     assert avx2["beam 4, ours int8 vs CTranslate2 int8"]["target"] == 1.2
+    # an ARM CPU: no int8 of ours (fbgemm is x86 only), so no int8 goal, whatever CTranslate2 ran
+    del beam[-2]
+    arm = {
+        t["goal"] for t in benchmark.targets({**report, "meta": {"device": "cpu", "cpu": {"isa": "DEFAULT"}}})
+    }
+    assert "beam 4, ours vs CTranslate2 bfloat16" in arm and not any("int8" in goal for goal in arm)
 
 
 def test_the_loop_section_runs_train_py_and_the_peer_over_the_same_batches(tmp_path):
@@ -358,3 +364,20 @@ def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them
         assert {"ours", "ours (kernels off)", "ours (kernels on)"} <= {r["decoder"] for r in mode["rows"]}
         assert all(r["output_tokens"] == 2 * 3 for r in mode["rows"])
     assert sorted(packed) == [(False, False), (False, True), (True, False)]  # ours, its int8 copy, all on
+
+
+def test_on_a_cpu_that_is_not_x86_ours_decodes_without_int8_and_says_so(monkeypatch, tmp_path):
+    """ARM (faked): no CPU kernel chosen, ours with all of them beside, and no int8 row (fbgemm is x86
+    only): the decode section still runs and notes it."""
+    arm = CpuFeatures("DEFAULT", False, False, False, "Apple M2")
+    monkeypatch.setattr(kernels_module, "cpu_features", lambda: arm)
+    benchmark = load_benchmark(monkeypatch)
+    monkeypatch.setattr(sys.modules["bench.decode"], "cpu_features", lambda: arm)
+    flags = ["--peers", "", "--beam-sentences", "2", "--greedy-sentences", "2", "--src-len", "4"]
+    flags += ["--new-tokens", "3", "--decode-rounds", "1", "--sections", "decode"]
+    report = benchmark.main([*TINY, *flags, "--json", str(tmp_path / "b.json")])
+    assert report["meta"]["cpu_kernels"] == "none"
+    for mode in report["decode"].values():
+        names = [r["decoder"] for r in mode["rows"]]
+        assert {"ours", "ours (kernels off)", "ours (kernels on)"} <= set(names) and "ours int8" not in names
+    assert "ours int8 left out: precision=int8 multiplies with fbgemm, on x86 CPUs only" in report["notes"]

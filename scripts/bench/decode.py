@@ -20,6 +20,7 @@ from bench.measure import FIRST_TOKEN, KERNELS_OFF, KERNELS_ON, Setup, interleav
 from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ModelConfig
 from transformer.decoding import Sampling, beam_search, greedy_search, search_weights
+from transformer.devices import cpu_features
 from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.vocab import EOS_ID
@@ -68,11 +69,12 @@ def ours_decoder(
     return run
 
 
-def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """The row of ours a peer is compared with: ours int8 for int8 peers, else the fastest of ours (the
-    search's 1-best; the n-best and sampling rows are compared with it too)."""
+def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """The row of ours a peer is compared with: ours int8 for int8 peers (None where it did not run),
+    else the fastest of ours (the search's 1-best; the n-best and sampling rows are compared with it
+    too)."""
     if "int8" in name:
-        return next(r for r in rows if r["decoder"] == "ours int8")
+        return next((r for r in rows if r["decoder"] == "ours int8"), None)
     plain = (r for r in rows if r["decoder"].startswith("ours") and "int8" not in r["decoder"])
     return max((r for r in plain if r["decoder"] not in SIDE_ROWS), key=lambda r: r["tokens_per_s"])
 
@@ -121,9 +123,11 @@ def build_decoders(
     decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, sampling=Sampling(topk=50)))
     for name, side in side_kernels(setup.device).items():  # the same search, cpu_kernels=off (and =on)
         decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
-    if not cuda:  # translate.py precision=int8: a copy of the weights in 8 bits (section_decode packs them)
+    if not cuda and cpu_features().x86:  # translate.py precision=int8 (fbgemm: x86 only): the weights' copy
         int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device, int8=True))
-        decoders["ours int8"] = ("ours", int8)
+        decoders["ours int8"] = ("ours", int8)  # in 8 bits (section_decode packs them)
+    elif not cuda:
+        notes.append("ours int8 left out: precision=int8 multiplies with fbgemm, on x86 CPUs only")
     # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that the others have warmed
     # up first (a capture that raises drops this row with a note; one that broke the CUDA context would
     # fail the section, and the benchmark reports the sections it has)
@@ -193,7 +197,8 @@ def bench_decode_mode(
             }
         )
     for r in rows:  # int8 rows against ours int8, the others against the fastest of ours (as the goals)
-        r["ours_over_this"] = ours_for(rows, r["decoder"])["tokens_per_s"] / r["tokens_per_s"]
+        ours = ours_for(rows, r["decoder"])
+        r["ours_over_this"] = None if ours is None else ours["tokens_per_s"] / r["tokens_per_s"]
     return {"beam": beam, "sentences": n, "src_len": args.src_len, "new_tokens": args.new_tokens} | {
         "rows": rows
     }

@@ -179,8 +179,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             name = r["decoder"]
             goals = DECODE_GOALS if wide else {k: (v, None) for k, v in CPU_GOALS.items() if k != "train"}
             goal = next((g[cuda] for prefix, g in goals.items() if name.startswith(prefix)), None)
-            if goal is not None and name != "CTranslate2 int8_float32":
-                ours = ours_for(rows, name)
+            ours = ours_for(rows, name)
+            if goal is not None and name != "CTranslate2 int8_float32" and ours is not None:
                 ratio = ours["tokens_per_s"] / r["tokens_per_s"]
                 text = f"beam 4, {ours['decoder']} vs {name}"
                 found.append({"goal": text, "ratio": ratio, "target": goal, "met": ratio >= goal})
