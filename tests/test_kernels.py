@@ -3,6 +3,7 @@ float64 math; written-out short attention and noise dropout against their plain 
 module replacements of `Kernels.apply`, which keep the model's parameters, keys and outputs and leave
 the model they copy untouched."""
 
+import copy
 import math
 
 import pytest
@@ -167,23 +168,29 @@ def test_short_attention_is_written_out_and_longer_attention_fused(kind, monkeyp
     expected = attn(x, memory, key_mask)  # the plain module: the fused kernel
     attn = CPU.apply(attn)
     assert type(attn) is ShortAttention
-    for grad in (False, True):  # 5 or 7 keys, heads of 8: written out, at inference and in training
+
+    def check(fused_calls: int, grad: bool = True, module: torch.nn.Module = attn, tolerance: float = 1e-10):
         with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
-            torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
-        assert calls == []
-    monkeypatch.setattr("transformer.kernels.cpu.NARROW_HEAD", 4)  # wider heads: fused where gradients flow
-    for grad in (False, True):
-        with torch.set_grad_enabled(grad), sdpa_calls(monkeypatch) as calls:
-            torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
-        assert len(calls) == grad
-    monkeypatch.setattr("transformer.kernels.cpu.SHORT_KEYS", 0)  # more keys, and 5 queries: written out
-    with torch.no_grad(), sdpa_calls(monkeypatch) as calls:
-        torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
-    assert calls == []
-    monkeypatch.setattr("transformer.kernels.cpu.FEW_QUERIES", 4)  # more keys and queries: fused
-    with torch.no_grad(), sdpa_calls(monkeypatch) as calls:
-        torch.testing.assert_close(attn(x, memory, key_mask), expected, rtol=1e-10, atol=1e-12)
-    assert len(calls) == 1 and (SHORT_KEYS, FEW_QUERIES, NARROW_HEAD) == (64, 16, 32)
+            x_, memory_ = (t.to(next(module.parameters()).dtype) for t in (x, memory))
+            out = module(x_, memory_, key_mask).double()
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+        assert len(calls) == fused_calls
+
+    check(0, grad=False)  # 5 or 7 keys: written out at inference,
+    check(0)  # and in training with heads of 8 dimensions
+    monkeypatch.setattr("transformer.kernels.cpu.NARROW_HEAD", 4)  # wider heads than that:
+    check(0, grad=False)  # written out at inference,
+    check(1)  # fused in float32 training,
+    check(0, module=copy.deepcopy(attn).to(torch.bfloat16), tolerance=0.1)  # written out in bf16 training
+    frozen = copy.deepcopy(attn).requires_grad_(False)
+    check(0, module=frozen)  # and where no gradient flows, as at inference
+    monkeypatch.setattr("transformer.kernels.cpu.SHORT_KEYS", 0)  # longer attention:
+    monkeypatch.setattr("transformer.kernels.cpu.NARROW_HEAD", 32)
+    check(1)  # fused in training whatever the heads,
+    check(0, grad=False)  # written out at inference with a few (5) queries,
+    monkeypatch.setattr("transformer.kernels.cpu.FEW_QUERIES", 4)
+    check(1, grad=False)  # and fused with more
+    assert (SHORT_KEYS, FEW_QUERIES, NARROW_HEAD) == (64, 16, 32)
 
 
 @pytest.mark.parametrize("dropout", [torch.nn.Dropout, NoiseDropout])

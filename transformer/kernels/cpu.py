@@ -5,7 +5,7 @@ same function as the module it replaces, with the same parameters:
   8-bit ones, precision=int8);
 - `nn.Dropout` -> `NoiseDropout`: the mask drawn from uniform noise;
 - `MultiHeadAttention` -> `ShortAttention`: short attention written out instead of the fused kernel
-  (in training only with narrow heads).
+  (in float32 training only with narrow heads).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from transformer.kernels.onednn import Products
 from transformer.layers import FeedForward
 
 # written out instead of the fused kernel: at inference, attention over at most SHORT_KEYS keys or of at
-# most FEW_QUERIES queries per row (a decoding step); in training, over at most SHORT_KEYS keys with
-# heads of at most NARROW_HEAD dimensions
+# most FEW_QUERIES queries per row (a decoding step); in training, over at most SHORT_KEYS keys in bf16
+# (or fp16), and in float32 with queries and keys of at most NARROW_HEAD dimensions (d_k)
 SHORT_KEYS = 64
 FEW_QUERIES = 16
 NARROW_HEAD = 32
@@ -57,14 +57,16 @@ class NoiseDropout(nn.Dropout):
 
 class ShortAttention(MultiHeadAttention):
     """`MultiHeadAttention` with short attention written out (`reference_attention`) where that wins:
-    at inference, and in training with narrow heads; compiled code keeps the fused kernel."""
+    at inference, and in training in half precision or with narrow heads; compiled code keeps the fused
+    kernel."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         if torch.compiler.is_compiling():  # sizes read only outside compiled code
             return super().attend(q, k, v, mask, causal)
         grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if grads:
-            short = k.size(2) <= SHORT_KEYS and q.size(-1) <= NARROW_HEAD
+            half = q.dtype in (torch.bfloat16, torch.float16)
+            short = k.size(2) <= SHORT_KEYS and (half or q.size(-1) <= NARROW_HEAD)
         else:
             short = k.size(2) <= SHORT_KEYS or q.size(2) <= FEW_QUERIES
         if not short:
