@@ -5,6 +5,7 @@ whatever the machine would choose now; int8 is refused on a CPU without fbgemm's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -114,6 +115,7 @@ class OpsCalled(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.skipif(not devices.cpu_features().x86, reason="precision=int8 multiplies with fbgemm (x86)")
 @pytest.mark.parametrize("setting", ["auto", "off"])
 @pytest.mark.parametrize("isa", ["AVX-512", "AVX2"])
 def test_int8_translation_multiplies_every_linear_map_in_8_bits_whatever_the_kernels(
@@ -133,6 +135,9 @@ def test_int8_translation_multiplies_every_linear_map_in_8_bits_whatever_the_ker
     with OpsCalled() as ops:
         translator.translate(["The cat sees the house.", "A dog"])
     assert "linear_dynamic" not in ops.names and FLOAT_PRODUCTS & set(ops.names)
+    int8 = dataclasses.replace(translator.cfg, precision="int8")  # without 8-bit kernels: refused
+    with pytest.raises(ValueError, match="precision=int8 needs the models' kernels chosen with int8=True"):
+        Translator(translator.models, translator.tokenizer, int8, kernels=translator.kernels)
 
 
 def test_int8_is_refused_on_a_cpu_without_fbgemms_engine_and_bf16_is_not_auto_there(

@@ -71,6 +71,10 @@ class Translator:
         self.model = self.models[0]
         self.tokenizer, self.cfg = tokenizer, cfg
         self.kernels = Kernels() if kernels is None else kernels
+        if cfg.precision == "int8" and not self.kernels.int8:  # the linear maps would stay float32
+            raise ValueError(
+                "precision=int8 needs the models' kernels chosen with int8=True (as from_checkpoint)"
+            )
         self.info = info or {}  # the checkpoint's step, data_meta and run config
         self.device = next(self.model.parameters()).device
         positions = self.model.cfg.max_positions
