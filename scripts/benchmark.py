@@ -28,12 +28,12 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
 decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output tokens (EOS suppressed
         until then): beam 4 over `--beam-sentences` and greedy over `--greedy-sentences` for ours
         (beam_search / greedy_search with min_len; on a CPU also with the kernels off, and on where the
-        instruction set chooses fewer, and in 8 bits (precision=int8), with the weights packed once for
-        all runs (for oneDNN where its products run, in 8 bits for int8), as translate.py packs them once
-        for all batches; on CUDA also beam_search in static shapes with each step a CUDA graph replay, as
-        translate.py cuda_graphs=true), Hugging Face `generate` and
-        CTranslate2 (the same Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output
-        tokens/s, sentences/s. The goals compare the fastest of ours with each peer.
+        instruction set chooses fewer, and in 8 bits (precision=int8; x86 only), with the weights packed
+        once for all runs (for oneDNN where its products run, in 8 bits for int8), as translate.py packs
+        them once for all batches; on CUDA also beam_search in static shapes with each step a CUDA graph
+        replay, as translate.py cuda_graphs=true), Hugging Face `generate` and CTranslate2 (the same
+        Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output tokens/s, sentences/s.
+        The goals compare the fastest of ours with each peer.
 data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at `--data-budget` tokens:
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
         throughput of transformer.data.prepare.prepare (BPE learning + binarization), in pairs/s, and

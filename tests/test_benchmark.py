@@ -353,6 +353,7 @@ def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them
 
     monkeypatch.setattr(Products, "prepacked", recording)
     benchmark = load_benchmark(monkeypatch)
+    monkeypatch.setattr(sys.modules["bench.decode"], "cpu_features", lambda: avx2)
     flags = ["--no-compile", "--peers", "", "--beam-sentences", "2", "--greedy-sentences", "2"]
     flags += ["--src-len", "4", "--new-tokens", "3", "--decode-rounds", "1"]
     report = benchmark.main([*TINY, *flags, "--sections", "train,decode", "--json", str(tmp_path / "b.json")])
