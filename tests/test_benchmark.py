@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import transformer.kernels as kernels_module
+from transformer import devices
 from transformer.devices import CpuFeatures
 from transformer.kernels import Kernels, Products
 
@@ -353,7 +354,7 @@ def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them
 
     monkeypatch.setattr(Products, "prepacked", recording)
     benchmark = load_benchmark(monkeypatch)
-    monkeypatch.setattr(sys.modules["bench.decode"], "cpu_features", lambda: avx2)
+    monkeypatch.setattr(devices, "cpu_features", lambda: avx2)
     flags = ["--no-compile", "--peers", "", "--beam-sentences", "2", "--greedy-sentences", "2"]
     flags += ["--src-len", "4", "--new-tokens", "3", "--decode-rounds", "1"]
     report = benchmark.main([*TINY, *flags, "--sections", "train,decode", "--json", str(tmp_path / "b.json")])
@@ -373,7 +374,7 @@ def test_on_a_cpu_that_is_not_x86_ours_decodes_without_int8_and_says_so(monkeypa
     arm = CpuFeatures("DEFAULT", False, False, False, "Apple M2")
     monkeypatch.setattr(kernels_module, "cpu_features", lambda: arm)
     benchmark = load_benchmark(monkeypatch)
-    monkeypatch.setattr(sys.modules["bench.decode"], "cpu_features", lambda: arm)
+    monkeypatch.setattr(devices, "cpu_features", lambda: arm)
     flags = ["--peers", "", "--beam-sentences", "2", "--greedy-sentences", "2", "--src-len", "4"]
     flags += ["--new-tokens", "3", "--decode-rounds", "1", "--sections", "decode"]
     report = benchmark.main([*TINY, *flags, "--json", str(tmp_path / "b.json")])
@@ -381,4 +382,7 @@ def test_on_a_cpu_that_is_not_x86_ours_decodes_without_int8_and_says_so(monkeypa
     for mode in report["decode"].values():
         names = [r["decoder"] for r in mode["rows"]]
         assert {"ours", "ours (kernels off)", "ours (kernels on)"} <= set(names) and "ours int8" not in names
-    assert "ours int8 left out: precision=int8 multiplies with fbgemm, on x86 CPUs only" in report["notes"]
+    assert (
+        "ours int8 left out: precision=int8 multiplies with fbgemm, PyTorch's x86 engine; this CPU is not an "
+        "x86 one: use precision=fp32" in report["notes"]
+    )

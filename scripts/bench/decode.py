@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from bench.measure import FIRST_TOKEN, KERNELS_OFF, KERNELS_ON, Setup, interleave, side_kernels
 from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
-from transformer.config import ModelConfig
+from transformer.config import ConfigError, ModelConfig
 from transformer.decoding import Sampling, beam_search, greedy_search, search_weights
-from transformer.devices import cpu_features
+from transformer.devices import decoding_dtype
 from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.vocab import EOS_ID
@@ -123,11 +123,13 @@ def build_decoders(
     decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, sampling=Sampling(topk=50)))
     for name, side in side_kernels(setup.device).items():  # the same search, cpu_kernels=off (and =on)
         decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
-    if not cuda and cpu_features().x86:  # translate.py precision=int8 (fbgemm: x86 only): the weights' copy
-        int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device, int8=True))
-        decoders["ours int8"] = ("ours", int8)  # in 8 bits (section_decode packs them)
-    elif not cuda:
-        notes.append("ours int8 left out: precision=int8 multiplies with fbgemm, on x86 CPUs only")
+    if not cuda:  # translate.py precision=int8, where it runs: a copy of the weights in 8 bits
+        try:
+            decoding_dtype("int8", setup.device)  # translate.py's own refusal (fbgemm is x86 only)
+            int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device, int8=True))
+            decoders["ours int8"] = ("ours", int8)  # (section_decode packs them)
+        except ConfigError as error:
+            notes.append(f"ours int8 left out: {error}")
     # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that the others have warmed
     # up first (a capture that raises drops this row with a note; one that broke the CUDA context would
     # fail the section, and the benchmark reports the sections it has)
