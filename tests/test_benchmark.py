@@ -383,6 +383,6 @@ def test_on_a_cpu_that_is_not_x86_ours_decodes_without_int8_and_says_so(monkeypa
         names = [r["decoder"] for r in mode["rows"]]
         assert {"ours", "ours (kernels off)", "ours (kernels on)"} <= set(names) and "ours int8" not in names
     assert (
-        "ours int8 left out: precision=int8 multiplies with fbgemm, PyTorch's x86 engine; this CPU is not an "
-        "x86 one: use precision=fp32" in report["notes"]
+        "ours int8 left out: precision=int8 multiplies with fbgemm, PyTorch's x86 engine for CPUs with AVX2 "
+        "or newer; this CPU is not an x86 one: use precision=fp32" in report["notes"]
     )

@@ -1,7 +1,7 @@
 """Which CPU kernels run where (`Kernels.choose`): decided by the instruction set, faked here for each
 one (AVX-512, AVX2, an x86 CPU without either, ARM), forced with cpu_kernels=on|off; the outputs equal
 across choices (eval mode); a training run records its choice and a resumed run takes it again,
-whatever the machine would choose now; int8 is refused on a CPU without fbgemm's x86 engine."""
+whatever the machine would choose now; int8 is refused on a CPU without fbgemm (not x86, or no AVX2)."""
 
 from __future__ import annotations
 
@@ -138,6 +138,13 @@ def test_int8_translation_multiplies_every_linear_map_in_8_bits_whatever_the_ker
     int8 = dataclasses.replace(translator.cfg, precision="int8")  # without 8-bit kernels: refused
     with pytest.raises(ValueError, match="precision=int8 needs the models' kernels chosen with int8=True"):
         Translator(translator.models, translator.tokenizer, int8, kernels=translator.kernels)
+
+
+def test_int8_is_refused_on_an_x86_cpu_without_avx2_where_pytorch_has_no_fbgemm(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(devices, "cpu_features", lambda: ISAS["x86 without AVX2"])
+    monkeypatch.setattr(type(torch.backends.quantized), "supported_engines", ["qnnpack", "none"])
+    with pytest.raises(ConfigError, match="AVX2 or newer; this CPU has no AVX2: use precision=fp32"):
+        Translator.from_checkpoint(tiny_checkpoint, precision="int8", device="cpu")
 
 
 def test_int8_is_refused_on_a_cpu_without_fbgemms_engine_and_bf16_is_not_auto_there(

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from transformer import devices
 from transformer.config import (
     ConfigError,
     DataConfig,
@@ -27,7 +28,8 @@ from transformer.config import (
     app_defaults,
     from_dict,
 )
-from transformer.finish import print_next_steps
+from transformer.devices import CpuFeatures
+from transformer.finish import check_finish, print_next_steps
 from transformer.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,6 +255,19 @@ def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):
         "choose another or finish.evaluate_split=null"
     )
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_finish_stage_in_int8_where_8_bit_products_cannot_run_fails_before_training(monkeypatch):
+    monkeypatch.setattr(
+        devices, "cpu_features", lambda: CpuFeatures("DEFAULT", False, False, False, "Apple M2")
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^finish.precision=int8 multiplies .* this CPU is not an x86 one: use finish.precision=fp32$",
+    ):
+        check_finish(composed("experiment=demo", "finish.precision=int8"))
+    nothing_decoded = ("finish.evaluate_split=null", "finish.examples=[]", "finish.attention_text=null")
+    check_finish(composed("experiment=demo", "finish.precision=int8", *nothing_decoded))
 
 
 @pytest.mark.parametrize("experiment, suggested", [("demo", True), ("paper_base", False)])

@@ -76,6 +76,11 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def has_int8_engine() -> bool:
+    """Whether PyTorch has fbgemm, its 8-bit engine for x86 CPUs with AVX2 or newer, on this machine."""
+    return bool({"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines))
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX instructions."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -90,18 +95,20 @@ def training_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def decoding_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """Decoding's precision -> the dtype of the weights (int8: float32 weights, 8-bit products)."""
+def decoding_dtype(precision: str, device: torch.device, key: str = "precision") -> torch.dtype:
+    """Decoding's precision (the setting `key`) -> the dtype of the weights (int8: float32 weights, 8-bit
+    products)."""
     if precision == "int8" and device.type != "cpu":
-        raise ConfigError(f"precision=int8 runs on the CPU; the device here is {device}: add device=cpu")
-    if precision == "int8" and not cpu_features().x86:
+        raise ConfigError(f"{key}=int8 runs on the CPU; the device here is {device}: add device=cpu")
+    if precision == "int8" and not (cpu_features().x86 and has_int8_engine()):
+        this_cpu = "has no AVX2" if cpu_features().x86 else "is not an x86 one"
         raise ConfigError(
-            "precision=int8 multiplies with fbgemm, PyTorch's x86 engine; this CPU is not an x86 one: "
-            "use precision=fp32"
+            f"{key}=int8 multiplies with fbgemm, PyTorch's x86 engine for CPUs with AVX2 or newer; "
+            f"this CPU {this_cpu}: use {key}=fp32"
         )
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    _check_bf16(precision, device, "precision")
+    _check_bf16(precision, device, key)
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import torch
+
 from transformer.checkpoint import (
     BEST,
     average_checkpoints,
@@ -18,6 +20,7 @@ from transformer.checkpoint import (
 )
 from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
 from transformer.data.sources import split_names
+from transformer.devices import decoding_dtype
 from transformer.evaluation import evaluate_checkpoint
 from transformer.translation import Translator
 from transformer.visualize import draw_attention
@@ -31,6 +34,9 @@ def check_finish(cfg: TrainConfig) -> None:
             f"finish.evaluate_split={split}: data {cfg.data.name} has no '{split}' split (it has: "
             f"{', '.join(roles)}); choose another or finish.evaluate_split=null"
         )
+    decodes = split is not None or cfg.finish.examples or cfg.finish.attention_text
+    if decodes and cfg.finish.precision == "int8":  # refused where 8-bit products cannot run
+        decoding_dtype("int8", torch.device("cpu"), "finish.precision")
 
 
 def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:

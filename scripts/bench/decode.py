@@ -125,7 +125,7 @@ def build_decoders(
         decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
     if not cuda:  # translate.py precision=int8, where it runs: a copy of the weights in 8 bits
         try:
-            decoding_dtype("int8", setup.device)  # translate.py's own refusal (fbgemm is x86 only)
+            decoding_dtype("int8", setup.device)  # translate.py's own refusal (fbgemm: x86, AVX2)
             int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device, int8=True))
             decoders["ours int8"] = ("ours", int8)  # (section_decode packs them)
         except ConfigError as error:

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer.devices import has_int8_engine
+
 # fbgemm's int8 products: activations in 7 bits where a CPU without VNNI could saturate 16-bit sums
 REDUCE_RANGE = True
-INT8_ENGINES = {"fbgemm", "x86"}
 
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
@@ -170,7 +171,7 @@ class Products:
 
 
 def _int8_packed(w: Tensor, b: Tensor | None) -> _Packed:
-    if not _plain_cpu_float32(w, w) or not INT8_ENGINES & set(torch.backends.quantized.supported_engines):
+    if not _plain_cpu_float32(w, w) or not has_int8_engine():
         raise ValueError("int8 products need a float32 CPU weight and PyTorch's fbgemm (x86) engine")
     bias_version = 0 if b is None else b._version
     return _Packed(w, w._version, int8=_int8_pack(w.detach(), b), bias=b, bias_version=bias_version)
