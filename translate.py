@@ -78,21 +78,22 @@ def run(cfg: TranslateConfig) -> None:
         raise ConfigError(f"output={cfg.output} must be a file in an existing directory")
     translator = Translator.from_checkpoint(cfg)
     interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
-    if interactive and cfg.score is None:
-        written, first = [], 0
-        for lines in chunks(sys.stdin.buffer, cfg.buffer_size or 1):
-            text = results(translator, cfg, lines, first)
-            first += len(lines)
+    with translator.packed():  # once for the session, not for every chunk of lines
+        if interactive and cfg.score is None:
+            written, first = [], 0
+            for lines in chunks(sys.stdin.buffer, cfg.buffer_size or 1):
+                text = results(translator, cfg, lines, first)
+                first += len(lines)
+                if output is None:
+                    sys.stdout.buffer.write(text.encode("utf-8"))
+                    sys.stdout.flush()
+                written.append(text)
+            text = "".join(written)
+        else:
+            text = results(translator, cfg, read_lines(cfg), 0)
             if output is None:
                 sys.stdout.buffer.write(text.encode("utf-8"))
                 sys.stdout.flush()
-            written.append(text)
-        text = "".join(written)
-    else:
-        text = results(translator, cfg, read_lines(cfg), 0)
-        if output is None:
-            sys.stdout.buffer.write(text.encode("utf-8"))
-            sys.stdout.flush()
     if output is not None:
         atomic.write_bytes(output, text.encode("utf-8"))
 

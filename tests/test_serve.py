@@ -1,10 +1,13 @@
 """scripts/serve.py, the local HTTP endpoint, started as a user starts it and spoken to with a real
 HTTP client on localhost: translations equal translate.py's, concurrent requests share one batch, bad
-requests get a 4xx with a message and the server keeps serving, SIGTERM stops it."""
+requests get a 4xx with a message and the server keeps serving, SIGTERM stops it; the server and an
+interactive translate.py pack their weights once, not per batch."""
 
 from __future__ import annotations
 
 import http.client
+import importlib.util
+import io
 import json
 import os
 import re
@@ -17,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from transformer.config import ServeConfig, TranslateConfig
+from transformer.kernels import onednn
+from transformer.serving.server import serve
 from transformer.translation import Translator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +173,62 @@ def test_sigterm_stops_it_cleanly():
     assert running.request("GET", "/health")[0] == 200
     running.process.send_signal(signal.SIGTERM)
     assert running.process.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def packings(monkeypatch) -> list[int]:
+    """Every weight packed for the CPU's products (`Products.prepacked`), counted."""
+    counted: list[int] = []
+
+    class Counted(onednn._Packed):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            counted.append(1)
+
+    monkeypatch.setattr(onednn, "_Packed", Counted)
+    return counted
+
+
+def test_the_weights_are_packed_once_for_the_servers_life(packings, caplog):
+    """serve() in this process, spoken to by a client thread that stops it with SIGTERM: the batches of
+    three requests reuse the weights packed when it started."""
+    cfg = ServeConfig(checkpoint=str(CHECKPOINT), port=0, device="cpu", cpu_kernels="on", batch_wait_ms=0)
+    ready, answers, at_start = threading.Event(), [], []
+
+    def client() -> None:
+        ready.wait(120)
+        at_start.append(len(packings))
+        host, port = re.search(r"on http://([\d.]+):(\d+)", caplog.text).groups()
+        for line in LINES + LINES[:1]:
+            connection = http.client.HTTPConnection(host, int(port), timeout=120)
+            connection.request(
+                "POST", "/translate", json.dumps({"text": line}), {"Content-Type": "application/json"}
+            )
+            answers.append(connection.getresponse().status)
+            connection.close()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    asking = threading.Thread(target=client)
+    asking.start()
+    with caplog.at_level("WARNING"):
+        serve(cfg, ready)
+    asking.join(timeout=120)
+    assert answers == [200, 200, 200] and at_start[0] > 0 and len(packings) == at_start[0]
+
+
+def test_an_interactive_translate_session_packs_the_weights_once(packings, monkeypatch, tmp_path):
+    """translate.py answering a pipe line by line (buffer_size=1) packs its weights once, not per line."""
+    spec = importlib.util.spec_from_file_location("translate_cli", ROOT / "translate.py")
+    translate_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(translate_cli)
+    counts = []
+    for lines in (LINES[:1], LINES + LINES):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(lines).encode() + b"\n")))
+        out = tmp_path / f"{len(lines)}.txt"
+        config = dict(
+            checkpoint=str(CHECKPOINT), device="cpu", cpu_kernels="on", buffer_size=1, output=str(out)
+        )
+        translate_cli.run(TranslateConfig(**config))
+        assert len(out.read_text().splitlines()) == len(lines)
+        counts.append(len(packings))
+    assert counts[0] > 0 and counts[1] == 2 * counts[0]  # one packing per session

@@ -290,6 +290,11 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> None:
     """Load the checkpoint, listen on cfg.host:cfg.port until SIGTERM or Ctrl-C (in the main thread)
     or `stop()`; `ready` is set once it listens."""
     translator = Translator.from_checkpoint(cfg)
+    with translator.packed():  # the weights packed once for the server's life, not for every batch
+        _listen(cfg, translator, ready)
+
+
+def _listen(cfg: ServeConfig, translator: Translator, ready: threading.Event | None) -> None:
     limits = {"max_body_bytes": cfg.max_body_bytes, "max_lines": cfg.max_lines, "max_chars": cfg.max_chars}
     try:
         server = Server((cfg.host, cfg.port), translator, limits, cfg.batch_wait_ms / 1000)
