@@ -122,7 +122,8 @@ def test_int8_translation_multiplies_every_linear_map_in_8_bits_whatever_the_ker
     tiny_checkpoint, monkeypatch, isa, setting
 ):
     """precision=int8: every product of a linear map (encoder, decoder, output projection) is fbgemm's
-    8-bit one, with the oneDNN products chosen or not; no float32 product of one is left."""
+    8-bit one, with the oneDNN products chosen or not, in the search and in scoring given translations;
+    no float32 product of one is left."""
     monkeypatch.setattr(kernels_module, "cpu_features", lambda: ISAS[isa])
     translator = Translator.from_checkpoint(
         tiny_checkpoint, precision="int8", device="cpu", cpu_kernels=setting
@@ -131,6 +132,9 @@ def test_int8_translation_multiplies_every_linear_map_in_8_bits_whatever_the_ker
         assert translator.translate(["The cat sees the house.", "A dog"])[1] is not None
     quantized = ops.names.count("linear_dynamic") + ops.names.count("linear_relu_dynamic")
     assert quantized > 0 and not FLOAT_PRODUCTS & set(ops.names)
+    with OpsCalled() as ops:  # scoring given translations: teacher forcing, the same products
+        assert translator.score(["A dog"], ["Ein Hund"])[0] is not None
+    assert "linear_dynamic" in ops.names and not FLOAT_PRODUCTS & set(ops.names)
     translator = Translator.from_checkpoint(tiny_checkpoint, device="cpu", cpu_kernels=setting)  # float32
     with OpsCalled() as ops:
         translator.translate(["The cat sees the house.", "A dog"])

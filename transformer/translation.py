@@ -30,6 +30,7 @@ from transformer.decoding import (
     length_penalty,
     search_weights,
 )
+from transformer.decoding.scoring import Linear, project
 from transformer.devices import decoding_dtype, resolve_device
 from transformer.kernels import Kernels
 from transformer.model import Transformer
@@ -217,7 +218,8 @@ class Translator:
         with torch.inference_mode(), self.packed():
             for batch in _batches(sorted(todo, key=lambda i: -lengths[i]), lengths, self.cfg.max_tokens, 256):
                 src, tgt = padded([sources[i] for i in batch]), padded([targets[i] for i in batch])
-                log_probs = teacher_forced(self.models, weights, src.to(self.device), tgt.to(self.device))
+                src, tgt = src.to(self.device), tgt.to(self.device)
+                log_probs = teacher_forced(self.models, weights, src, tgt, self.kernels.products)
                 for row, i in enumerate(batch):
                     token_log_probs = log_probs[row, : len(targets[i])].tolist()
                     score = sum(token_log_probs) / length_penalty(len(targets[i]), alpha)
@@ -255,18 +257,20 @@ def padded(rows: list[list[int]]) -> torch.Tensor:
 
 
 def teacher_forced(
-    models: list[Transformer], weights: list[float], src: torch.Tensor, tgt: torch.Tensor
+    models: list[Transformer], weights: list[float], src: torch.Tensor, tgt: torch.Tensor, linear: Linear
 ) -> torch.Tensor:
     """(B, T) float32 log P(y_t | y_<t, X) of each target token of tgt (B, T) (pieces + [EOS], padded),
-    by one full decode of [BOS] + y per model; an ensemble's log sum_m w_m P_m."""
+    by one full decode of [BOS] + y per model, its output projection made by `linear` as the search's
+    is; an ensemble's log sum_m w_m P_m."""
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)  # (B, T)
-    total = sum(weights)
-    each = [
-        m(src, tgt_in).log_softmax(-1, dtype=torch.float32).gather(-1, tgt[:, :, None]).squeeze(-1)
-        + math.log(w / total)
-        for m, w in zip(models, weights)
-        if w > 0
-    ]
+    total, each = sum(weights), []
+    for m, w in zip(models, weights):
+        if w > 0:
+            src_mask = m.src_mask(src)  # (B, S)
+            states = m.decode(tgt_in, m.encode(src, src_mask), src_mask).flatten(0, 1)  # (B * T, d_model)
+            logits = project(states, m.embed.weight, linear).view(*tgt.shape, -1)  # (B, T, V)
+            log_probs = logits.log_softmax(-1, dtype=torch.float32).gather(-1, tgt[:, :, None]).squeeze(-1)
+            each.append(log_probs + math.log(w / total))
     return each[0] if len(each) == 1 else torch.stack(each).logsumexp(dim=0)
 
 
