@@ -1,15 +1,17 @@
 """Every GPU check of the project in one command, for a GPU machine lent for minutes, in order of value
 (a cut budget loses the last): the real training loop (`benchmark.py --sections loop`: train.py at the
-base size on WMT lengths with its defaults, length buckets and CUDA graphs, eager and compiled), the GPU
-tests, more of the loop (without CUDA graphs, the torch.nn.Transformer loop on the same batches, without
-cuDNN attention, without buckets), translation with and without CUDA graphs compared line by line, and
-the fixed-shape step.
-Each step runs in its own process under `timeout -k` inside one budget, so a failure or a timeout costs
-only that step (a loop step keeps the runs it finished);
-the results go to `summary.json`, `summary.md` (its table printed last), `benchmark.json`, `loop.json`
-and `steps.log` (every step's output) in --out (default $OUT, else gpu_check/).
+base size on WMT lengths with its defaults, length buckets and CUDA graphs), the same without cuDNN
+attention (which decides the backends' default), compiled, the GPU tests, the torch.nn.Transformer loop
+on the same batches, ours without CUDA graphs, translation with and without CUDA graphs compared line by
+line, ours without buckets, the compiled torch.nn.Transformer loop and the fixed-shape step.
+Each step runs in its own process group under `timeout -k` inside one budget, so a failure or a timeout
+costs only that step (a loop step keeps the runs it finished; what a step leaves running is killed);
+a broken environment stops the check at once. The results go to `summary.json`, `summary.md` (its table
+printed last), `benchmark.json`, `loop.json` and `steps.log` (every step's output, with the end of each
+train.py log and its profile) in --out (default $OUT, else gpu_check/). `--steps` runs some steps only
+(e.g. those a cut budget left for another session).
 
-    python scripts/gpu_check.py                 # on a CUDA machine: about 8 minutes on one H200
+    python scripts/gpu_check.py                 # on a CUDA machine: about 9 minutes on one H200
     python scripts/gpu_check.py --dry-run       # anywhere: the same steps at toy sizes on the CPU
 
 The loop runs on the WMT sample (`--corpus`, default data/wmt_sample_raw from scripts/wmt_sample_corpus.py)
@@ -31,9 +33,11 @@ built on any machine serves (--wheels, default .whl; installed into a temporary 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +47,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 NEEDED = ("hydra", "omegaconf", "sacremoses")  # imported by train.py, translate.py and the evaluation
+STEPS = (  # in order of value; a compiled step has no dry run (compiling takes minutes on a CPU)
+    "loop_eager",
+    "loop_no_cudnn",
+    "loop_compiled",
+    "gpu_tests",
+    "loop_peers",
+    "loop_no_graphs",
+    "translate",
+    "loop_no_buckets",
+    "loop_peer_compiled",
+    "benchmark",
+)
+LOOP_STEPS = "100,100"  # a CUDA loop run: its first steps from process start, then the steady ones
+LEAST = 30  # seconds a step needs to measure anything: with less left it is not started
 
 
 def main() -> None:
@@ -54,11 +72,15 @@ def main() -> None:
     # relative to the checkout, as when they were prepared: prepare() compares the path as written
     parser.add_argument("--corpus", type=Path, default=Path("data/wmt_sample_raw"), help="loop corpus")
     parser.add_argument("--prepared", type=Path, default=Path("data/bench_loop37k"), help="it prepared")
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
     args = parser.parse_args()
+    args.steps = [s for s in args.steps.split(",") if s]
+    if unknown := sorted(set(args.steps) - set(STEPS)):
+        parser.error(f"--steps: {', '.join(unknown)} unknown; the steps are {', '.join(STEPS)}")
     args.out = args.out.resolve()  # the steps run in the checkout's root
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "steps.log").unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
+    with tempfile.TemporaryDirectory(prefix="gpu_check_", ignore_cleanup_errors=True) as work:
         results = run_all(args, Path(work))
     print("\n" + (args.out / "summary.md").read_text())
     print(f"wrote {args.out / 'summary.md'}")
@@ -66,34 +88,48 @@ def main() -> None:
 
 
 def run_all(args: argparse.Namespace, work: Path) -> dict[str, dict]:
-    """The steps in order of value (a cut budget loses the last); their results by name."""
+    """The steps asked for, in order of value (a cut budget loses the last); their results by name."""
     check = Check(
         args.out, args.dry_run, environment(args.wheels, work / "site"), time.monotonic() + args.budget
     )
-    check.run("environment", [sys.executable, "-c", _ENVIRONMENT], 60)
+    if not check.run("environment", [sys.executable, "-c", _ENVIRONMENT], 60):
+        return check.results  # nothing else can run
     corpus = ["--loop-corpus", str(args.corpus), "--loop-data-dir", str(args.prepared)]
     corpus = corpus if (ROOT / args.corpus).is_dir() and not args.dry_run else []  # else synthetic lengths
+    if corpus and not (ROOT / args.prepared / "meta.json").is_file():
+        check.note(f"{args.prepared} is not prepared: the first loop run prepares it (carry it next time)")
     loop = Loop(check, work / "loop", corpus)
-    loop.run("loop_eager", "eager", 120)  # the defaults: CUDA graphs, length buckets
-    loop.run("loop_compiled", "compiled", 150, compiled=True)
-    check.run("gpu_tests", _pytest(args.dry_run), 150)  # graphed steps, compiled regions, backends
-    loop.run("loop_no_graphs", "no-graphs", 90)
-    loop.run("loop_peers", "peer,peer-compiled", 180, compiled=True)
-    loop.run("loop_no_cudnn", "no-cudnn", 90)
-    loop.run("loop_no_buckets" if not args.dry_run else "loop_buckets", "buckets", 90)
-    checkpoint = work / "loop" / "eager" / "checkpoints" / "checkpoint_last.pt"
-    if checkpoint.is_file():
-        source = work / "source.txt"
-        lines = (
-            ROOT / args.corpus / "valid.en"
-            if corpus and (ROOT / args.corpus / "valid.en").is_file()
-            else None
-        )
-        text = lines.read_text(encoding="utf-8").splitlines()[:500] if lines else _words(50)
-        source.write_text("".join(line + "\n" for line in text), encoding="utf-8")
-        check.translations(checkpoint, source, work)
-    check.run("benchmark", _benchmark(args.dry_run, args.out / "benchmark.json"), 150)
+    eager = work / "loop" / "eager" / "checkpoints" / "checkpoint_last.pt"
+    steps = {
+        "loop_eager": lambda: loop.run("loop_eager", "eager", 120),  # the defaults: graphs, buckets
+        "loop_no_cudnn": lambda: loop.run("loop_no_cudnn", "no-cudnn", 100),
+        "loop_compiled": lambda: loop.run("loop_compiled", "compiled", 150, compiled=True),
+        "gpu_tests": lambda: check.run("gpu_tests", _pytest(args.dry_run), 150),  # graphs, regions, backends
+        "loop_peers": lambda: loop.run("loop_peers", "peer", 100, needs=eager),  # on the eager run's batches
+        "loop_no_graphs": lambda: loop.run("loop_no_graphs", "no-graphs", 100),
+        "translate": lambda: check.translations(eager, _source(args, corpus, work), work),
+        "loop_no_buckets": lambda: loop.run(
+            "loop_no_buckets" if not args.dry_run else "loop_buckets", "buckets", 100
+        ),
+        "loop_peer_compiled": lambda: loop.run(
+            "loop_peer_compiled", "peer-compiled", 180, compiled=True, needs=eager
+        ),
+        "benchmark": lambda: check.run(
+            "benchmark", _benchmark(args.dry_run, args.out / "benchmark.json"), 150
+        ),
+    }
+    for name in STEPS:
+        if name in args.steps:
+            steps[name]()
     return check.results
+
+
+def _source(args: argparse.Namespace, corpus: list[str], work: Path) -> Path:
+    """The sentences to translate: the WMT sample's first 500 validation lines, else short made-up ones."""
+    source, lines = work / "source.txt", ROOT / args.corpus / "valid.en"
+    text = lines.read_text(encoding="utf-8").splitlines()[:500] if corpus and lines.is_file() else _words(50)
+    source.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+    return source
 
 
 class Loop:
@@ -103,19 +139,26 @@ class Loop:
         self.check, self.work, self.corpus = check, work, corpus
         self.rows: list[dict] = []
 
-    def run(self, name: str, runs: str, timeout: int, compiled: bool = False) -> None:
+    def run(
+        self, name: str, runs: str, timeout: int, compiled: bool = False, needs: Path | None = None
+    ) -> None:
+        """The loop runs `runs` as step `name`; `compiled` ones have no dry run; `needs`: a file an earlier
+        run wrote (the peers train on the eager run's batches)."""
         if compiled and self.check.dry_run:  # compiling takes minutes on a CPU: the plumbing without it
-            runs = ",".join(r for r in runs.split(",") if r in ("peer",))
-            if not runs:
-                return
+            return
+        if needs is not None and not needs.is_file():
+            self.check.skip(name, f"no {needs.parent.parent.name} run")
+            return
         out = self.work / f"{name}.json"
         command = [sys.executable, "scripts/benchmark.py", "--sections", "loop", "--loop-runs", runs]
         command += ["--loop-work", str(self.work), "--json", str(out), *self.corpus]
         if self.check.dry_run:
             command += ["--device", "cpu", "--size", "tiny", "--threads", "1", "--loop-steps", "2,2"]
         else:
-            command += ["--device", "cuda", "--size", "base"]
+            command += ["--device", "cuda", "--size", "base", "--loop-steps", LOOP_STEPS]
         self.check.run(name, command, timeout)
+        self.check.attach([self.work / f"{run}.log" for run in runs.split(",")], 60)  # train.py's last lines
+        self.check.attach([self.work / run / "profile" / "ops.txt" for run in runs.split(",")], 50, head=True)
         loop = json.loads(out.read_text()).get("loop") if out.is_file() else None  # its finished runs
         if loop is not None:
             self.rows += loop["rows"]
@@ -148,34 +191,62 @@ class Check:
         self.loop: dict | None = None
 
     def run(self, name: str, command: list[str], timeout: int) -> bool:
-        """`command` under `timeout -k 10` (a process busy compiling may ignore a plain SIGTERM)."""
+        """`command` under `timeout -k 10` (a process busy compiling may ignore a plain SIGTERM), in the
+        process group `timeout` makes; whatever of it is still running afterwards (a train.py writing a
+        checkpoint on SIGTERM) is killed before the next step."""
         start = time.monotonic()
         timeout = min(timeout, int(self.deadline - start))
         status: int | str = "no time left"
-        if timeout > 0:
+        if timeout >= LEAST:
             with open(self.out / "steps.log", "a") as log:
                 log.write(f"\n===== {name}: {' '.join(command)}\n")
                 log.flush()
                 limited = ["timeout", "-k", "10", str(timeout), *command]
+                process = subprocess.Popen(limited, cwd=ROOT, env=self.env, stdout=log, stderr=log)
                 try:
-                    status = subprocess.run(
-                        limited, cwd=ROOT, env=self.env, stdout=log, stderr=log, timeout=timeout + 30
-                    ).returncode
+                    status = process.wait(timeout=timeout + 30)
                 except subprocess.TimeoutExpired:
                     status = f"timeout ({timeout} s)"
+                finally:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
                 status = f"timeout ({timeout} s)" if status in (124, 137) else status
         self.results[name] = {"ok": status == 0, "status": status, "seconds": round(time.monotonic() - start)}
         print(f"{name}: {'ok' if status == 0 else f'FAILED: {status}'} in {self.results[name]['seconds']} s")
         self.write()
         return status == 0
 
+    def skip(self, name: str, why: str) -> None:
+        self.results[name] = {"ok": False, "status": f"skipped: {why}", "seconds": 0}
+        print(f"{name}: skipped: {why}")
+        self.write()
+
+    def note(self, text: str) -> None:
+        with open(self.out / "steps.log", "a") as log:
+            log.write(f"\nnote: {text}\n")
+        print(f"note: {text}")
+
+    def attach(self, paths: list[Path], lines: int, head: bool = False) -> None:
+        """The last (or first) `lines` lines of each of `paths` that exists, into steps.log."""
+        with open(self.out / "steps.log", "a") as log:
+            for path in (p for p in paths if p.is_file()):
+                text = path.read_text(errors="replace").splitlines()
+                log.write(f"----- {'/'.join(path.parts[-3:])}\n")
+                log.write("".join(line + "\n" for line in (text[:lines] if head else text[-lines:])))
+
     def translations(self, checkpoint: Path, source: Path, work: Path) -> None:
-        """translate.py without and with CUDA graphs (a dry run: twice without), compared line by line."""
+        """translate.py without and with CUDA graphs (a dry run: twice without), compared line by line, in
+        float32 (bf16 would round the two searches' different shapes apart)."""
+        if not checkpoint.is_file():
+            self.skip("translate", "no eager loop run to translate with")
+            return
         outputs = []
         for name, graphs in (("translate", False), ("translate_cuda_graphs", not self.dry_run)):
             output = work / f"{name}.de"
             command = [sys.executable, "translate.py", f"checkpoint={checkpoint}", f"input={source}"]
             command += [f"output={output}", f"cuda_graphs={str(graphs).lower()}", f"device={self.device}"]
+            command += ["precision=fp32"]
             if self.run(name, command, 60):
                 outputs.append(output.read_text(encoding="utf-8").splitlines())
         if len(outputs) == 2:
@@ -219,13 +290,14 @@ def environment(wheels: Path, site: Path) -> dict[str, str]:
     if all(importlib.util.find_spec(name) for name in NEEDED) or not wheels.is_dir():
         return env
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
-    subprocess.run([*install, *map(str, sorted(wheels.glob("*.whl")))], check=True)
+    subprocess.run([*install, *map(str, sorted(wheels.glob("*.whl")))])  # a failure: the environment step
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     return env
 
 
 _ENVIRONMENT = """
 import platform, torch
+import hydra, omegaconf, sacremoses  # the steps' scripts import them: without them nothing runs
 print("python", platform.python_version(), "torch", torch.__version__)
 if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2**30, "GiB")
@@ -234,7 +306,10 @@ if torch.cuda.is_available():
 
 def _pytest(dry_run: bool) -> list[str]:
     """The GPU tests (a dry run only collects them)."""
-    collect = ["--collect-only", "-q"] if dry_run else ["-q"]
+    # each test's outcome as it ends (a cut step keeps them), the failures' reasons summarized at the end
+    collect = ["--collect-only", "-q"] if dry_run else ["-v", "--tb=short", "-rfE"]
+    if importlib.util.find_spec("pytest_timeout") and not dry_run:
+        collect.append("--timeout=90")  # a hung test fails with its stack instead of taking the step
     return [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *collect]
 
 

@@ -115,9 +115,9 @@ def run_ours(
     command = [sys.executable, str(ROOT / "train.py"), *train_overrides(args, data, cfg, run_dir), *extra]
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
     start = time.time()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
-    log = done.stdout + done.stderr
-    (work / f"{name}.log").write_text(log)
+    with open(work / f"{name}.log", "w") as out:  # written as it runs: a run cut short leaves its log
+        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    log = (work / f"{name}.log").read_text()
     if done.returncode != 0:
         raise RuntimeError(f"train.py ({name}) exited with {done.returncode}: {log[-2000:]}")
     steps = [(s.wall_time, s.value) for s in _scalars(run_dir, "train/tokens_per_step")]
