@@ -214,6 +214,19 @@ def test_dropout_zeroes_each_unit_with_probability_p_and_scales_the_rest(dropout
     assert torch.equal(drop.eval()(x), x) and torch.equal(dropout(0.0)(x), x)
 
 
+@pytest.mark.parametrize("dropout", [torch.nn.Dropout, NoiseDropout])
+def test_dropout_of_bf16_activations_keeps_the_rate_p(dropout):
+    """Under bf16 autocast the activations dropout sees are bf16: a unit is still zeroed with probability
+    p (noise drawn in bf16 has 8 bits, which would round p = 0.1 up to 26/256), the rest scaled by
+    1 / (1 - p) in bf16."""
+    torch.manual_seed(0)
+    p, n = 0.1, 4_000_000
+    y = dropout(p)(torch.ones(n, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    assert abs((y == 0).float().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n)
+    assert torch.equal(y[y != 0].unique(), torch.tensor([1 / (1 - p)], dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize(
     "overrides", [{}, {"norm_first": True, "n_kv_heads": 2}, {"moe_experts": 16, "moe_top_k": 1}]
 )

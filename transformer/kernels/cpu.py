@@ -50,8 +50,9 @@ class NoiseDropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
-        with torch.no_grad():  # the noise becomes the mask in place: 1 / (1 - p) where u >= p, else 0
-            mask = torch.rand_like(x).ge_(self.p).mul_(1.0 / (1.0 - self.p))
+        with torch.no_grad():  # the mask: 1 / (1 - p) where u >= p, else 0
+            noise = torch.rand(x.shape, device=x.device)  # float32: bf16 has 8 bits, too few to hold p
+            mask = noise.ge_(self.p).to(x.dtype).mul_(1.0 / (1.0 - self.p))
         return x * mask
 
 
