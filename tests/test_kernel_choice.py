@@ -100,6 +100,18 @@ def test_a_resumed_run_takes_the_kernels_it_was_trained_with(corpus, tmp_path, m
     }
 
 
+def test_a_run_trained_on_a_gpu_takes_the_kernels_of_the_cpu_it_resumes_on(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """A GPU run records no CPU kernels (None): resumed on a CPU it takes those that CPU chooses."""
+    monkeypatch.setattr(kernels_module, "cpu_features", lambda: ISAS["AVX2"])
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=2")))
+    path = checkpoint_dir(tmp_path) / "checkpoint_2.pt"
+    written = load_checkpoint(path)
+    torch.save({**written, "kernels": None}, path)  # as a run on CUDA writes it
+    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3")))
+    resumed = load_checkpoint(checkpoint_dir(tmp_path) / "checkpoint_3.pt")["kernels"]
+    assert resumed == dict(zip(("onednn", "noise_dropout", "short_attention"), EXPECTED["AVX2"]))
+
+
 FLOAT_PRODUCTS = {"linear", "addmm", "mm", "_linear_pointwise"}  # F.linear's ops, oneDNN's
 
 

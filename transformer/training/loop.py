@@ -155,8 +155,9 @@ def _validate(run: Run, decision: Decision, validation: _Validation, monitor: Mo
 
 def _resumed_kernels(runtime: Runtime, trainer: TrainerConfig, ckpt: dict[str, Any]) -> Kernels:
     """The CPU kernels a resumed run takes: with trainer.cpu_kernels=auto those it was trained with, so
-    that it resumes exactly (a checkpoint from before the choice: every kernel, as the CPU ran then)."""
-    if runtime.device.type != "cpu":
+    that it resumes exactly (a checkpoint from before the choice: every kernel, as the CPU ran then); a
+    run trained on a GPU takes those this CPU chooses (no resume across devices is bitwise)."""
+    if runtime.device.type != "cpu" or ("kernels" in ckpt and ckpt["kernels"] is None):
         return runtime.kernels
     recorded = ckpt.get("kernels") or Kernels.choose(runtime.device, "on").record()
     if trainer.cpu_kernels == "auto":

@@ -70,7 +70,8 @@ class Run:
             "rng": rngs,  # one entry per rank
             "interim": interim,
             "best": self.best.state_dict(),
-            "kernels": self.runtime.kernels.record(),  # a resumed run takes the same (trainer.cpu_kernels)
+            # a resumed run takes the same (trainer.cpu_kernels); None: trained on no CPU, none chosen
+            "kernels": self.runtime.kernels.record() if self.runtime.device.type == "cpu" else None,
             "batching": {"buckets": self.sampler.buckets},  # and the same (trainer.length_buckets)
             "early_stopped": self.early_stopped,
         }
