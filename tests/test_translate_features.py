@@ -159,6 +159,16 @@ def test_samples_do_not_depend_on_the_batches(trained):
     ] != outputs[0]
 
 
+def test_samples_are_scored_and_listed_by_their_log_probability(trained):
+    """Samples are not searched: their score is log P(Y|X), without the search's length penalty, and the
+    list of a line's samples is best first by it."""
+    translator = Translator.from_checkpoint(trained, device="cpu", sampling=True, nbest=4, topk=20, seed=3)
+    for hypotheses in filter(None, translator.translate_nbest(LINES)):  # (an empty line has none)
+        scores = [h.score for h in hypotheses]
+        assert scores == pytest.approx([h.log_prob for h in hypotheses], abs=1e-4)
+        assert scores == sorted(scores, reverse=True) and len(set(scores)) > 1
+
+
 def test_a_pipe_with_buffer_size_1_is_answered_line_by_line(trained, tmp_path):
     """A client writes one line, waits for its translation, then writes the next: each is answered
     before the next is sent (the process would wait forever for input otherwise)."""

@@ -153,7 +153,7 @@ class Translator:
         )
         sampling = Sampling(cfg.topk, cfg.topp, cfg.temperature, cfg.seed) if cfg.sampling else None
         beam = cfg.nbest if sampling else cfg.beam_size
-        alpha = cfg.alpha if beam > 1 else 0.0
+        alpha = cfg.alpha if beam > 1 and sampling is None else 0.0  # samples: log P(Y|X)
         return beam_search(
             model,
             src,
