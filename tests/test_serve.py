@@ -97,19 +97,35 @@ def test_it_listens_on_localhost_and_translates_as_translate_does(server):
     assert status == 200 and [one["translations"][0]["hypotheses"][0]["text"]] == beam4
 
 
-def test_two_concurrent_requests_share_one_batch(server):
-    answers, barrier = [None, None], threading.Barrier(2)
+def test_a_requests_samples_do_not_depend_on_the_requests_it_is_batched_with(server):
+    """Sampling's draws follow (seed, line number, sample, step): numbered within each request, the
+    same request gives the same samples alone (as translate.py does) and batched with another."""
+    sampling = {"sampling": True, "nbest": 2, "seed": 7, "topk": 20}
+    (s0, a0), (s1, a1) = together(server, [{"text": [LINES[1]], **sampling}] * 2)
+    assert s0 == s1 == 200 and a0["batch"] == a1["batch"]
+    alone = Translator.from_checkpoint(CHECKPOINT, device="cpu", **sampling).translate_nbest(LINES[1:2])[0]
+    for answer in (a0, a1):
+        assert [h["text"] for h in answer["translations"][0]["hypotheses"]] == [h.text for h in alone]
+
+
+def together(server: Running, payloads: list[dict]) -> list:
+    """The answers to `payloads`, sent at the same moment from a thread each."""
+    answers, barrier = [None] * len(payloads), threading.Barrier(len(payloads))
 
     def ask(i: int) -> None:
         barrier.wait()
-        answers[i] = server.translate({"text": [LINES[i]]})
+        answers[i] = server.translate(payloads[i])
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(payloads))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    (s0, a0), (s1, a1) = answers
+    return answers
+
+
+def test_two_concurrent_requests_share_one_batch(server):
+    (s0, a0), (s1, a1) = together(server, [{"text": [LINES[0]]}, {"text": [LINES[1]]}])
     assert s0 == s1 == 200 and a0["batch"] == a1["batch"]
     alone = Translator.from_checkpoint(CHECKPOINT, device="cpu").translate(LINES)
     assert [
@@ -117,20 +133,7 @@ def test_two_concurrent_requests_share_one_batch(server):
         a1["translations"][0]["hypotheses"][0]["text"],
     ] == alone
     # other settings are not mixed into the batch: each gets its own search
-    answers = [None, None]
-
-    def ask_with(i: int, settings: dict) -> None:
-        barrier.wait()
-        answers[i] = server.translate({"text": [LINES[0]], **settings})
-
-    threads = [
-        threading.Thread(target=ask_with, args=(0, {})),
-        threading.Thread(target=ask_with, args=(1, {"beam_size": 1})),
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    answers = together(server, [{"text": [LINES[0]]}, {"text": [LINES[0]], "beam_size": 1}])
     assert answers[0][1]["batch"] != answers[1][1]["batch"]
 
 

@@ -169,10 +169,12 @@ class Translator:
         )
 
     def search_all(
-        self, sources: list[list[int]], progress: bool = False, first: int = 0
+        self, sources: list[list[int]], progress: bool = False, first: int | list[int] = 0
     ) -> list[list[Hypothesis]]:
         """The hypotheses of each source; sources are batched by length and results put back in order.
-        first: the number of the first source in the whole input (sampling draws by line number)."""
+        first: the number of the first source in the whole input, or each source's number (sampling
+        draws by line number)."""
+        numbers = torch.tensor(first) if isinstance(first, list) else first + torch.arange(len(sources))
         outputs: list[list[Hypothesis]] = [[] for _ in sources]
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
         bar = tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating")
@@ -180,7 +182,7 @@ class Translator:
             lengths, cfg = [len(ids) for ids in sources], self.cfg
             for batch in _batches(todo, lengths, cfg.max_tokens, cfg.max_sentences):
                 src = padded([sources[i] for i in batch])  # (B, S)
-                result = self.search(src.to(self.device), first + torch.tensor(batch))
+                result = self.search(src.to(self.device), numbers[batch])
                 for i, hypotheses in zip(batch, result.hypotheses):
                     outputs[i] = hypotheses
                 bar.update(len(batch))
@@ -195,10 +197,11 @@ class Translator:
         return [self.text(ids) for ids in self.translate_ids(self.encode(lines), progress)]
 
     def translate_nbest(
-        self, lines: list[str], progress: bool = False, first: int = 0
+        self, lines: list[str], progress: bool = False, first: int | list[int] = 0
     ) -> list[list[Translation]]:
         """Per input line its `nbest` hypotheses (or samples), best first; none for an empty line.
-        first: the number of the first line in the whole input (sampling draws by line number)."""
+        first: the number of the first line in the whole input, or each line's number (sampling draws
+        by line number)."""
         found = self.search_all(self.encode(lines), progress, first)
         return [[self._translation(h) for h in hypotheses if h.token_log_probs] for hypotheses in found]
 

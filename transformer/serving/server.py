@@ -120,7 +120,9 @@ class ModelWorker(threading.Thread):
             cfg = dataclasses.replace(self.translator.cfg, **batch[0].settings)
             t = self.translator
             translator = Translator(t.models, t.tokenizer, cfg, t.info, t.kernels)
-            found = translator.translate_nbest([line for job in batch for line in job.lines])
+            lines = [line for job in batch for line in job.lines]
+            numbers = [i for job in batch for i in range(len(job.lines))]  # a request's own: its samples
+            found = translator.translate_nbest(lines, first=numbers)  # whatever it is batched with
             start = 0
             for job in batch:
                 answers = []
