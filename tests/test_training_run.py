@@ -1,6 +1,7 @@
 """The real `train(cfg)` and `train.py` on a tiny corpus written here: exact resume, fallback past a
 corrupt checkpoint, SIGTERM, two-process DDP against one process, a Hydra sweep. CPU only."""
 
+import itertools
 import logging
 import math
 import os
@@ -12,6 +13,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,6 +118,19 @@ def uninterrupted(corpus, tmp_path_factory) -> Path:
     )
     train(compose_config(args))
     return run_dir
+
+
+def test_saving_the_best_checkpoint_does_not_postpone_the_timed_checkpoints(corpus, tmp_path, monkeypatch):
+    """trainer.save_every_minutes (§6.1: every 10 minutes) counts from the last numbered checkpoint: a
+    validation that writes only checkpoint_best.pt, a step apart, is no resume point. A clock that moves
+    a second each time it is read: numbered checkpoints every few steps, not only after the last."""
+    seconds = itertools.count()
+    monkeypatch.setattr(policy, "time", SimpleNamespace(monotonic=lambda: float(next(seconds))))
+    args = ["trainer.max_steps=12", "trainer.save_every_minutes=0.1", "trainer.save_every_steps=0"]
+    args += ["trainer.eval_every_steps=1", "trainer.keep_last=12"]
+    train(compose_config(overrides(corpus, tmp_path, *args)))
+    assert (tmp_path / "checkpoints" / "checkpoint_best.pt").is_file()
+    assert len(list_checkpoints(tmp_path)) >= 2
 
 
 def test_interrupted_and_resumed_run_is_bitwise_the_uninterrupted_one(corpus, uninterrupted, tmp_path):

@@ -99,8 +99,10 @@ def train(cfg: TrainConfig) -> Path:
                     monitor.step(run.step, stats)
                 with torch.compiler.set_stance("force_eager"):  # compiled for training steps only
                     best = _validate(run, decision, validation, monitor)
-                if decision.save or best or run.early_stopped:  # the last checkpoint of an early stop
-                    run.save(consumed, decision.interim, decision.save or run.early_stopped, best)
+                numbered = decision.save or run.early_stopped  # the last checkpoint of an early stop
+                if numbered or best:
+                    run.save(consumed, decision.interim, numbered, best)
+                if numbered:  # a resume point; the best alone is none: the save clock runs on
                     policy.saved()
                 if decision.stop:
                     policy.stop(run.step)
