@@ -257,6 +257,24 @@ def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_validations_on_data_without_a_valid_split_fail_before_training(tmp_path):
+    """BLEU, the best by BLEU and early stopping need the valid split: said before the data is prepared,
+    not skipped without a word."""
+    done = run_cli(
+        "experiment=demo",
+        "~data.splits.valid",
+        "trainer.patience=2",
+        "finish.evaluate_split=null",
+        f"trainer.run_dir={tmp_path}",
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: trainer.bleu_every_steps=100, trainer.patience=2, trainer.best_metric=bleu: validations on "
+        "the 'valid' split, which data toy does not have; add one (data.splits.valid) or turn these off"
+    )
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_a_finish_stage_in_int8_where_8_bit_products_cannot_run_fails_before_training(monkeypatch):
     monkeypatch.setattr(
         devices, "cpu_features", lambda: CpuFeatures("DEFAULT", False, False, False, "Apple M2")

@@ -24,6 +24,7 @@ from transformer.checkpoint import (
     set_aside_newer,
 )
 from transformer.config import ConfigError, TrainConfig, TrainerConfig
+from transformer.data.sources import split_names
 from transformer.kernels import Kernels
 from transformer.training.bleu import ValidText, load_valid_text, valid_bleu
 from transformer.training.corpus import batches_forever, load_corpus
@@ -49,6 +50,7 @@ def train(cfg: TrainConfig) -> Path:
     trainer = cfg.trainer
     run_dir = Path(trainer.run_dir)
     _check_resume_setting(trainer, run_dir)
+    _check_validation(cfg)
     runtime = init_runtime(trainer)
     use_cuda_graphs(cfg, runtime, trainer.length_buckets != 0)  # a mistake, said before the data loads
     if runtime.is_main and checkpoint_dir(run_dir).is_dir():
@@ -172,6 +174,25 @@ def _resumed_kernels(runtime: Runtime, trainer: TrainerConfig, ckpt: dict[str, A
             runtime.kernels.describe(),
         )
     return runtime.kernels
+
+
+def _check_validation(cfg: TrainConfig) -> None:
+    """What needs validations (BLEU, the best by BLEU, early stopping) on data without a valid split,
+    refused before any heavy work; the validation loss alone is skipped, with a warning."""
+    trainer = cfg.trainer
+    if "valid" in split_names(cfg.data):
+        return
+    needs = [
+        f"trainer.{k}={getattr(trainer, k)}" for k in ("bleu_every_steps", "patience") if getattr(trainer, k)
+    ]
+    needs += ["trainer.best_metric=bleu"] if trainer.best_metric == "bleu" else []
+    if needs:
+        raise ConfigError(
+            f"{', '.join(needs)}: validations on the 'valid' split, which data {cfg.data.name} does not "
+            "have; add one (data.splits.valid) or turn these off"
+        )
+    if trainer.eval_every_steps:
+        log.warning("data %s has no 'valid' split: no validation loss, no checkpoint_best.pt", cfg.data.name)
 
 
 def _check_resume_setting(trainer: TrainerConfig, run_dir: Path) -> None:
