@@ -257,6 +257,19 @@ def test_a_finish_stage_that_would_fail_fails_before_training(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_averaging_more_checkpoints_than_a_run_keeps_or_writes_fails_before_training():
+    for experiment in ("demo", "multi30k", "paper_base", "paper_big"):  # the recipes average what they keep
+        check_finish(composed(f"experiment={experiment}"))
+    with pytest.raises(
+        ConfigError, match=r"^finish.average_last=20 averages more checkpoints than trainer.keep_last=5 keeps"
+    ):
+        check_finish(composed("experiment=demo", "finish.average_last=20"))
+    with pytest.raises(
+        ConfigError, match=r"^finish.average_last=5: with trainer.save_every_steps and trainer"
+    ):
+        check_finish(composed("experiment=demo", "trainer.save_every_steps=0"))
+
+
 def test_validations_on_data_without_a_valid_split_fail_before_training(tmp_path):
     """BLEU, the best by BLEU and early stopping need the valid split: said before the data is prepared,
     not skipped without a word."""

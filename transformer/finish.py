@@ -4,6 +4,7 @@ example sentences and draw the attention of one of them, then say where everythi
 
 from __future__ import annotations
 
+import logging
 import shlex
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from transformer.evaluation import evaluate_checkpoint
 from transformer.translation import Translator
 from transformer.visualize import draw_attention
 
+log = logging.getLogger(__name__)
+
 
 def check_finish(cfg: TrainConfig) -> None:
     """What the finish stage will need, checked before training instead of after it."""
@@ -33,6 +36,17 @@ def check_finish(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"finish.evaluate_split={split}: data {cfg.data.name} has no '{split}' split (it has: "
             f"{', '.join(roles)}); choose another or finish.evaluate_split=null"
+        )
+    last, trainer = cfg.finish.average_last, cfg.trainer
+    if last > trainer.keep_last:
+        raise ConfigError(
+            f"finish.average_last={last} averages more checkpoints than trainer.keep_last="
+            f"{trainer.keep_last} keeps: raise keep_last or lower average_last"
+        )
+    if last > 1 and not (trainer.save_every_steps or trainer.save_every_minutes):
+        raise ConfigError(
+            f"finish.average_last={last}: with trainer.save_every_steps and trainer.save_every_minutes "
+            "both 0 only the last step is saved; set one of them, or finish.average_last=0"
         )
     decodes = split is not None or cfg.finish.examples or cfg.finish.attention_text
     if decodes and cfg.finish.precision == "int8":  # refused where 8-bit products cannot run
@@ -87,6 +101,10 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
 
 def _average(run_dir: Path, last: int) -> Path:
     paths = list_checkpoints(run_dir)[-last:]
+    if len(paths) < last:
+        log.warning(
+            "finish.average_last=%d: the run has %d numbered checkpoints; averaging those", last, len(paths)
+        )
     output = averaged_path(run_dir, len(paths))
     write_checkpoint(average_checkpoints(paths), output)
     print(f"averaged the last {len(paths)} checkpoints ({paths[0].name} .. {paths[-1].name}) into {output}")
