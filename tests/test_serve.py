@@ -149,6 +149,14 @@ def test_two_concurrent_requests_share_one_batch(server):
         (json.dumps({"text": ["a"] * 9}).encode(), 413, "9 lines; a request takes at most 8"),
         (json.dumps({"text": ["a" * 301]}).encode(), 413, "line 0 has 301 characters; at most 300"),
         (b"\xff\xfe", 400, "the body is not JSON"),
+        (b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
+        (json.dumps({"text": ["a", "\ud800"]}).encode(), 400, "line 1 is not Unicode text"),
+        (
+            json.dumps({"text": ["a"], "sampling": True, "seed": 10**20}).encode(),
+            400,
+            "must be in 0..2^32 - 1",
+        ),
+        (json.dumps({"text": ["a"], "beam_size": 10**30}).encode(), 400, "must be in 1..1024"),
     ],
 )
 def test_a_bad_request_gets_a_4xx_with_a_message_and_the_server_goes_on(server, body, status, message):

@@ -240,7 +240,7 @@ def test_bad_values_fail_before_any_work():
         ConfigError, match=r"^precision='fp16' must be one of 'auto', 'fp32', 'bf16' or 'int8'$"
     ):
         TranslateConfig(checkpoint="x.pt", precision="fp16")
-    with pytest.raises(ConfigError, match=r"^beam_size=0 must be at least 1"):
+    with pytest.raises(ConfigError, match=r"^beam_size=0 must be in 1..1024"):
         TranslateConfig(checkpoint="x.pt", beam_size=0)
 
 

@@ -249,7 +249,7 @@ def test_split_input_splits_on_newline_only():
     "settings, message",
     [
         ({"beam_size": "abc"}, "beam_size='abc' must be a whole number"),
-        ({"beam_size": 0}, "beam_size=0 must be at least 1"),
+        ({"beam_size": 0}, "beam_size=0 must be in 1..1024"),
         ({"max_sentences": 0}, "max_sentences=0 must be positive"),
         ({"alpha": "high"}, "alpha='high' must be a number"),
         ({"device": "tpu"}, "device='tpu' must be"),

@@ -63,6 +63,7 @@ ATTENTION_BACKENDS = ("flash", "efficient", "cudnn", "math")
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
 EXPORT_FORMATS = ("ctranslate2", "huggingface")
+MAX_BEAM = 1024  # hypotheses (or samples) per sentence at most: beam_size, nbest
 OUTPUT_FORMATS = ("text", "fairseq", "jsonl")  # translate.py (transformer/formats.py)
 ROLES = ("train", "valid", "test")
 
@@ -265,7 +266,7 @@ class SearchConfig(Settings):
     precision: str = "auto"
 
     def __post_init__(self) -> None:
-        self.require(self.beam_size >= 1, "beam_size", "must be at least 1")
+        self.require(1 <= self.beam_size <= MAX_BEAM, "beam_size", f"must be in 1..{MAX_BEAM}")
         self.require(self.alpha >= 0, "alpha", "must be >= 0")
         self.require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
         self.require(self.max_len_b >= 1, "max_len_b", "must be at least 1")
@@ -445,6 +446,8 @@ class DecodeConfig(SearchConfig, DeviceConfig):
         """n-best lists, sampling and ensembles."""
         if not self.sampling:
             self.require(self.nbest <= self.beam_size, "nbest", f"must be at most beam_size={self.beam_size}")
+        self.require(self.nbest <= MAX_BEAM, "nbest", f"must be at most {MAX_BEAM}")
+        self.require(0 <= self.seed < 2**32, "seed", "must be in 0..2^32 - 1")
         self.require(self.topk >= 0, "topk", "must be >= 0 (0 = every token)")
         self.require(0 < self.topp <= 1, "topp", "must be in (0, 1]")
         if not self.sampling and (self.topk or self.topp < 1 or self.temperature != 1):

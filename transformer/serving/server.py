@@ -164,6 +164,8 @@ def parse_request(body: bytes, limits: dict[str, int]) -> tuple[list[str], dict[
         request = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise BadRequest(f"the body is not JSON: {error}") from None
+    except RecursionError:
+        raise BadRequest("the body is not JSON this server reads: nested too deeply") from None
     if not isinstance(request, dict):
         raise BadRequest('the body must be a JSON object: {"text": [...]}')
     fields = ["text", "attention", "attention_layer", *SETTINGS]
@@ -180,6 +182,10 @@ def parse_request(body: bytes, limits: dict[str, int]) -> tuple[list[str], dict[
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
         )
     for number, line in enumerate(lines):
+        if not line.isascii() and _not_unicode(line):
+            raise BadRequest(
+                f"line {number} is not Unicode text: it holds a lone surrogate (\\ud800-\\udfff)"
+            )
         if len(line) > limits["max_chars"]:
             raise BadRequest(
                 f"line {number} has {len(line)} characters; at most {limits['max_chars']}",
@@ -200,6 +206,15 @@ def parse_request(body: bytes, limits: dict[str, int]) -> tuple[list[str], dict[
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
         raise BadRequest('"attention_layer" must be a whole number')
     return lines, settings, attention, layer
+
+
+def _not_unicode(line: str) -> bool:
+    """Whether JSON's escapes made a string no UTF-8 can hold (a lone surrogate)."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def check_settings(base: DecodeConfig, settings: dict[str, Any]) -> None:
