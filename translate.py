@@ -4,7 +4,7 @@
   python translate.py checkpoint=... input=newstest2014.en output=hyp.de beam_size=4 alpha=0.6
   python translate.py checkpoint=... text='"One sentence, quoted for Hydra."'
   python translate.py checkpoint=... nbest=4 output_format=jsonl          # n-best lists with scores
-  python translate.py checkpoint=... sampling=true nbest=2 topp=0.9 seed=1  # samples (back-translation)
+  python translate.py checkpoint=... sampling=true nbest=2 topp=0.9 seed=1 output_format=jsonl  # samples
   python translate.py checkpoint=... input=src.de score=hyp.en             # score given translations
   python translate.py checkpoint=[a.pt,b.pt] weights=[0.5,0.5]             # an ensemble
 
@@ -34,8 +34,8 @@ ConfigStore.instance().store(name="translate_defaults", node=app_defaults("trans
 
 
 def read_lines(cfg: TranslateConfig) -> list[str]:
-    if cfg.text is not None:
-        return [" ".join(cfg.text.splitlines())]
+    if cfg.text is not None:  # as the shell gave it: bytes that are not UTF-8 become U+FFFD
+        return [" ".join(cfg.text.encode("utf-8", "surrogateescape").decode("utf-8", "replace").splitlines())]
     if cfg.input is None:
         return split_input(sys.stdin.buffer.read())
     return split_input(_file(cfg.input, "input").read_bytes())
@@ -76,6 +76,9 @@ def run(cfg: TranslateConfig) -> None:
     output = Path(cfg.output) if cfg.output is not None else None
     if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
         raise ConfigError(f"output={cfg.output} must be a file in an existing directory")
+    for name, key in ((cfg.input, "input"), (cfg.score, "score")):
+        if name is not None:
+            _file(name, key)  # before the checkpoints load
     translator = Translator.from_checkpoint(cfg)
     interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
     with translator.packed():  # once for the session, not for every chunk of lines

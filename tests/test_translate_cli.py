@@ -76,6 +76,19 @@ def test_input_and_output_files_and_one_text(tiny_checkpoint, tmp_path):
     assert one.stdout.decode() == written[0] + "\n"  # the same sentence alone, the same translation
 
 
+def test_a_text_of_undecodable_bytes_and_a_missing_input_file(tiny_checkpoint, tmp_path):
+    """text= is translated whatever bytes the shell passed (U+FFFD for what is not UTF-8); a missing
+    input= or score= file is named before any checkpoint loads (here a missing one too)."""
+    done = translate(f"checkpoint={tiny_checkpoint}", b"text='The caf\xe9 sees the house.'")
+    assert done.returncode == 0 and len(done.stdout.decode().splitlines()) == 1, done.stderr.decode()
+    missing = tmp_path / "missing"
+    for key in ("input", "score"):
+        done = translate(f"checkpoint={missing}.pt", f"{key}={missing}", "output_format=jsonl")
+        assert done.returncode == 2 and done.stderr.decode().strip().endswith(
+            f"{key}={missing} is not a file"
+        )
+
+
 def test_many_bad_lines_give_the_first_few_warnings_and_a_count(tiny_checkpoint):
     lines = [b"bad \xff line"] * 30 + [" ".join(["the old tree"] * 100).encode()] * 7 + [b"A dog."]
     done = translate(

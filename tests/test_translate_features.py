@@ -130,8 +130,14 @@ def test_scores_of_given_translations_are_the_models_teacher_forced_loss(trained
         (scored,) = entry["hypotheses"]
         assert scored["log_prob"] == pytest.approx(-float(nll), abs=1e-4)
         assert scored["text"] == tokenizer.decode(tgt) and len(scored["token_log_probs"]) == len(tgt)
-    text = translate(f"checkpoint={trained}", f"score={tmp_path / 'hyp'}", stdin=LINES[0].encode())
+    score = [f"checkpoint={trained}", f"score={tmp_path / 'hyp'}"]
+    text = translate(*score, "output_format=jsonl", stdin=LINES[0].encode())
     assert text.returncode == 2 and "1 input lines but 4 translations to score" in text.stderr.decode()
+    text = translate(*score, stdin="\n".join(LINES).encode())  # plain text would print no score
+    assert (
+        text.returncode == 2
+        and "score=FILE writes each translation's log-probabilities" in text.stderr.decode()
+    )
 
 
 def test_samples_do_not_depend_on_the_batches(trained):
@@ -236,7 +242,10 @@ def test_an_ensemble_translates_and_a_different_vocabulary_is_refused(trained, p
         ({"sampling": True, "temperature": 0.0}, "temperature=0.0 must be positive"),
         ({"output_format": "xml"}, "output_format='xml' must be one of 'text', 'fairseq' or 'jsonl'"),
         ({"buffer_size": 0}, "buffer_size=0 must be at least 1"),
-        ({"score": "x.txt", "sampling": True}, "score=FILE scores the translations given: not with sampling"),
+        (
+            {"score": "x.txt", "sampling": True, "output_format": "jsonl"},
+            "score=FILE scores the translations given: not with sampling",
+        ),
         (
             {"checkpoint": ["a.pt", "b.pt"], "weights": [1.0]},
             "weights=[1.0] must have one weight per checkpoint",

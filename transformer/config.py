@@ -487,10 +487,15 @@ class TranslateConfig(DecodeConfig):
         if self.text is not None and self.input is not None:
             raise ConfigError("give either text=... or input=FILE, not both")
         self.require_choice("output_format", OUTPUT_FORMATS)
-        if self.output_format == "text" and self.nbest > 1 and self.score is None:
+        if self.output_format == "text" and self.nbest > 1:
             raise ConfigError(
                 f"output_format=text writes one translation per line: with nbest={self.nbest} choose "
                 "output_format=jsonl or output_format=fairseq"
+            )
+        if self.score is not None and self.output_format == "text":
+            raise ConfigError(
+                "score=FILE writes each translation's log-probabilities: choose output_format=jsonl or "
+                "output_format=fairseq"
             )
         if self.score is not None and self.sampling:
             raise ConfigError("score=FILE scores the translations given: not with sampling=true")
