@@ -101,6 +101,12 @@ def test_fairseq_lines_are_fairseqs_in_base_2(trained):
     assert lines[2].split("\t")[2] == best.text
     positional = [float(p) for p in lines[3].split("\t")[1].split()]
     assert positional == pytest.approx([p / math.log(2) for p in best.token_log_probs], abs=1e-4)
+    # a source line holding a carriage return or U+2028 still gives one S- line
+    done = translate(
+        f"checkpoint={trained}", "output_format=fairseq", stdin="The owls\rhave\u2028jumped.".encode()
+    )
+    lines = done.stdout.decode().splitlines()
+    assert done.returncode == 0 and lines[0] == "S-0\tThe owls have jumped." and lines[1].startswith("H-0\t")
 
 
 def test_scores_of_given_translations_are_the_models_teacher_forced_loss(trained, tmp_path):

@@ -38,7 +38,7 @@ def format_line(kind: str, number: int, source: str, hypotheses: list[Translatio
     if kind == "jsonl":
         entry = {"line": number, "source": source, "hypotheses": [translation_dict(h) for h in hypotheses]}
         return json.dumps(entry, ensure_ascii=False) + "\n"
-    lines = [f"S-{number}\t{source}"]
+    lines = [f"S-{number}\t{' '.join(source.splitlines())}"]  # one line, whatever breaks it held
     for h in hypotheses:
         score = h.score / math.log(2)
         pieces = h.pieces[:-1] if h.pieces[-1:] == ["</s>"] else h.pieces  # EOS shows in P- only
