@@ -24,8 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformer.checkpoint import (
     CheckpointError,
     average_checkpoints,
+    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    set_aside_newer,
     write_checkpoint,
 )
 from transformer.config import INIT_SCHEMES, ConfigError, ModelConfig, TrainConfig, from_dict
@@ -362,6 +364,20 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
     # the unusable file was set aside: rotation keeps this run's checkpoints, never it
     aside = tmp_path / "checkpoints" / "checkpoint_8.pt.not_resumed"
     assert aside.read_bytes() == corrupt and load_checkpoint(tmp_path / "checkpoints" / "checkpoint_8.pt")
+
+
+def test_going_back_to_an_earlier_checkpoint_sets_the_later_last_and_best_aside(corpus, tmp_path):
+    """trainer.resume=<an earlier file>: the checkpoints of the abandoned steps, checkpoint_last.pt and a
+    later checkpoint_best.pt among them, are set aside, so a kill before the next save resumes the
+    branch taken, and the finish stage never reports the other one's best."""
+    args = ["trainer.save_every_steps=4", "trainer.eval_every_steps=1", "trainer.max_steps=8"]
+    train(compose_config(overrides(corpus, tmp_path, *args)))
+    checkpoints = tmp_path / "checkpoints"
+    best_step = load_checkpoint(checkpoints / "checkpoint_best.pt")["step"]
+    set_aside_newer(tmp_path, 4)
+    assert latest_checkpoint(tmp_path)[1]["step"] == 4
+    assert (checkpoints / "checkpoint_last.pt.not_resumed").is_file()
+    assert (checkpoints / "checkpoint_best.pt").is_file() == (best_step <= 4)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_with_the_status_of_the_signal(corpus, uninterrupted, tmp_path):

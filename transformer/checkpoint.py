@@ -295,16 +295,27 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None
 
 
 def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
-    """Rename the numbered checkpoints past `step` (unusable ones that resuming skipped, or later ones
-    when trainer.resume named an earlier file) to `<name>.not_resumed`, so that rotation and averaging
-    never count them; returns their new paths."""
+    """Rename the checkpoints past `step` (unusable ones that resuming skipped, or later ones when
+    trainer.resume named an earlier file; checkpoint_last.pt and checkpoint_best.pt of those steps too)
+    to `<name>.not_resumed`, so that resuming, rotation, averaging and the finish stage never take them;
+    returns their new paths."""
+    numbered = [(p, int(_NUMBERED.fullmatch(p.name).group(1))) for p in list_checkpoints(run_dir)]
+    named = [checkpoint_dir(run_dir) / name for name in (LAST, BEST)]
     moved = []
-    for path in list_checkpoints(run_dir):
-        if int(_NUMBERED.fullmatch(path.name).group(1)) > step:
+    for path, at in [*numbered, *((p, _step_of(p)) for p in named if p.is_file())]:
+        if at is not None and at > step:
             moved.append(path.with_name(path.name + ".not_resumed"))
             os.replace(path, moved[-1])
             log.warning("moved %s aside to %s: this run continues from step %d", path, moved[-1].name, step)
     return moved
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of the checkpoint at path, its tensors left on disk; None if it cannot be read."""
+    try:
+        return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["step"])
+    except Exception:  # unreadable: not a file this run would resume from
+        return None
 
 
 def _resumable(path: Path, problems: list[str]) -> dict[str, Any] | None:
