@@ -39,6 +39,8 @@ def export(cfg: ExportConfig) -> Path:
     except ImportError:
         raise ConfigError(f"format={cfg.format} needs {package}: pip install -e '.[export]'") from None
     ckpt = load_checkpoint(cfg.checkpoint)
+    if not ckpt.get("spm_model"):
+        raise CheckpointError(f"{cfg.checkpoint} carries no tokenizer (spm_model): an export takes it along")
     model = model_from_checkpoint(ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:

@@ -169,6 +169,12 @@ def test_the_export_command_refuses_mistakes_in_one_line(checkpoint, tmp_path):
         ]
         assert message in done.stderr, done.stderr
     assert not (tmp_path / "q").exists()
+    bare = tmp_path / "bare.pt"  # a checkpoint without its tokenizer
+    write_checkpoint({k: v for k, v in load_checkpoint(checkpoint).items() if k != "spm_model"}, bare)
+    done = export(f"checkpoint={bare}", f"out={tmp_path / 'q'}")
+    assert done.returncode == 2 and done.stderr.strip().endswith(
+        "carries no tokenizer (spm_model): an export takes it along"
+    )
 
 
 @pytest.mark.slow
