@@ -238,6 +238,20 @@ def test_an_ensemble_translates_and_a_different_vocabulary_is_refused(trained, p
     )
 
 
+def test_an_ensemble_takes_the_positions_of_its_shortest_member(trained, tmp_path):
+    """Members with other max_positions: sources and outputs fit the smallest, whatever the order of
+    the checkpoints (an over-long line is cut with a warning, never a crash)."""
+    ckpt = load_checkpoint(trained)
+    short = tmp_path / "short.pt"
+    write_checkpoint({**ckpt, "model_config": {**ckpt["model_config"], "max_positions": 64}}, short)
+    line = " ".join(["the dog sees the cat"] * 30)  # more pieces than 64 positions hold
+    found = [
+        Translator.from_checkpoint(paths, device="cpu").translate([line, LINES[0]])
+        for paths in ([str(trained), str(short)], [str(short), str(trained)])
+    ]
+    assert found[0] == found[1] and all(found[0])
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

@@ -78,7 +78,7 @@ class Translator:
             )
         self.info = info or {}  # the checkpoint's step, data_meta and run config
         self.device = next(self.model.parameters()).device
-        positions = self.model.cfg.max_positions
+        positions = min(m.cfg.max_positions for m in self.models)  # an ensemble: its shortest member's
         # Longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b outputs.
         if cfg.max_len_a == 0:
             room = positions if cfg.max_len_b <= positions else 0
@@ -211,7 +211,7 @@ class Translator:
         an empty line."""
         if len(lines) != len(translations):
             raise ConfigError(f"{len(lines)} input lines but {len(translations)} translations to score")
-        sources, room = self.encode(lines), self.model.cfg.max_positions - 1
+        sources, room = self.encode(lines), min(m.cfg.max_positions for m in self.models) - 1
         targets = [self.tokenizer.encode(t)[:room] + [EOS_ID] for t in translations]
         scored: list[Translation | None] = [None] * len(lines)
         todo = [i for i, ids in enumerate(sources) if ids]

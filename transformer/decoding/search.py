@@ -263,7 +263,8 @@ class BeamSearch:
         self.models = members(model)
         b = src.size(0)
         src_mask = source_mask(self.models[0], src)  # (B, S)
-        limits = max_output_lengths(src_mask, *max_len, self.models[0].cfg.max_positions)  # (B,)
+        positions = min(m.cfg.max_positions for m in self.models)  # an ensemble: its shortest member's
+        limits = max_output_lengths(src_mask, *max_len, positions)  # (B,)
         limit = int(limits.max())
         self.caches = [
             DecoderCache(m, m.encode(src, src_mask), src_mask, b * beam_size, limit, static)
