@@ -366,6 +366,17 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(
     assert aside.read_bytes() == corrupt and load_checkpoint(tmp_path / "checkpoints" / "checkpoint_8.pt")
 
 
+def test_resuming_another_model_is_refused_before_the_data_is_prepared(corpus, tmp_path):
+    train(compose_config(overrides(corpus, tmp_path / "run", "trainer.max_steps=2")))
+    fresh = tmp_path / "fresh_data"  # a data.dir not prepared yet: preparing it would take the time
+    changed = overrides(
+        corpus, tmp_path / "run", "trainer.max_steps=4", "model.n_layers=3", f"data.dir={fresh}"
+    )
+    with pytest.raises(ConfigError, match=r"checkpoint_2.pt holds a model with other settings \(n_layers\)"):
+        train(compose_config(changed))
+    assert not fresh.exists()
+
+
 def test_going_back_to_an_earlier_checkpoint_sets_the_later_last_and_best_aside(corpus, tmp_path):
     """trainer.resume=<an earlier file>: the checkpoints of the abandoned steps, checkpoint_last.pt and a
     later checkpoint_best.pt among them, are set aside, so a kill before the next save resumes the

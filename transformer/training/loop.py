@@ -38,7 +38,7 @@ from transformer.training.distributed import (
 from transformer.training.graphs import StepGraphs, use_cuda_graphs
 from transformer.training.monitor import Monitor, bf16_peak_flops
 from transformer.training.policy import Decision, Policy
-from transformer.training.state import Run, start_run
+from transformer.training.state import Run, check_same_model, start_run
 from transformer.training.step import finish_step, queue_step, validate
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def train(cfg: TrainConfig) -> Path:
     if runtime.is_main and checkpoint_dir(run_dir).is_dir():
         remove_temp_files(checkpoint_dir(run_dir))  # of a save that a kill interrupted
     try:
-        found = _find_resume(trainer, run_dir, runtime.is_main)
+        found = _find_resume(cfg, run_dir, runtime.is_main)
         if found is not None:
             runtime.kernels = _resumed_kernels(runtime, trainer, found[1])
             if runtime.is_main:
@@ -208,9 +208,10 @@ def _check_resume_setting(trainer: TrainerConfig, run_dir: Path) -> None:
         )
 
 
-def _find_resume(trainer: TrainerConfig, run_dir: Path, is_main: bool) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint the run continues from (None: from step 0); one that cannot resume it fails here,
-    before the data is prepared."""
+def _find_resume(cfg: TrainConfig, run_dir: Path, is_main: bool) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint the run continues from (None: from step 0); one that cannot resume it (no resume
+    state, another model) fails here, before the data is prepared."""
+    trainer = cfg.trainer
     if trainer.resume == "never":
         return None
     if trainer.resume == "auto":
@@ -221,6 +222,8 @@ def _find_resume(trainer: TrainerConfig, run_dir: Path, is_main: bool) -> tuple[
         if missing:
             raise CheckpointError(f"{trainer.resume} cannot resume training: it has no {', '.join(missing)}")
         found = Path(trainer.resume), ckpt
+    if found is not None:  # the vocabulary's size is the prepared data's: compared once it is
+        check_same_model(cfg.model, *found, but=("vocab_size",))
     if found is not None and found[1]["step"] >= trainer.max_steps and is_main:
         log.warning(
             "%s is at step %d, trainer.max_steps=%d: nothing left to train (raise trainer.max_steps "

@@ -17,7 +17,7 @@ from torch.optim import Adam
 from torch.optim.lr_scheduler import LambdaLR
 
 from transformer.checkpoint import FORMAT, list_checkpoints, save_best, save_numbered
-from transformer.config import ConfigError, OptimConfig, TrainConfig, to_dict
+from transformer.config import ConfigError, ModelConfig, OptimConfig, TrainConfig, to_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.model import Transformer
 from transformer.training.distributed import Runtime, gather_objects, wrap
@@ -85,15 +85,8 @@ class Run:
 
     def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
         # the initialisation is the checkpoint's, whatever this run's model.init: its weights replace them
-        model = replace(self.cfg.model, init=ckpt["model_config"]["init"])
-        self.cfg = replace(self.cfg, model=model)
-        mine = to_dict(model)
-        changed = sorted(k for k in mine if ckpt["model_config"].get(k) != mine[k])
-        if changed:
-            raise ConfigError(
-                f"{path} holds a model with other settings ({', '.join(changed)}); "
-                "set trainer.run_dir to a new directory, or trainer.resume=<checkpoint of this model>"
-            )
+        self.cfg = replace(self.cfg, model=replace(self.cfg.model, init=ckpt["model_config"]["init"]))
+        check_same_model(self.cfg.model, path, ckpt)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -135,6 +128,18 @@ class Run:
                 weight_decay=cfg.weight_decay,
                 lr=factor(self.scheduler.last_epoch),  # the schedule of this run (base lr 1.0)
             )
+
+
+def check_same_model(model: ModelConfig, path: Path, ckpt: dict[str, Any], but: tuple[str, ...] = ()) -> None:
+    """Refuse to resume from `ckpt` (at path) a model of other settings than `model` (its initialisation
+    and the keys `but` aside)."""
+    mine = to_dict(replace(model, init=ckpt["model_config"]["init"]))
+    changed = sorted(k for k in mine if k not in but and ckpt["model_config"].get(k) != mine[k])
+    if changed:
+        raise ConfigError(
+            f"{path} holds a model with other settings ({', '.join(changed)}); "
+            "set trainer.run_dir to a new directory, or trainer.resume=<checkpoint of this model>"
+        )
 
 
 def start_run(
