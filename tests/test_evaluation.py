@@ -171,6 +171,12 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     assert json.loads(int8_report.read_text())["settings"]["precision"] == "int8"
     assert json.loads(greedy_path.read_text()) == greedy_report  # not overwritten by int8's
     assert json.loads(Path(f"{report}.bleu.json").read_text()) == result  # not overwritten
+    for topk in (5, 10):  # samples narrowed otherwise: each its own result
+        sampled = [*greedy, "sampling=true", f"topk={topk}"]
+        assert subprocess.run(sampled, capture_output=True, cwd=ROOT, timeout=300, env=env).returncode == 0
+    for topk in (5, 10):
+        name = f"checkpoint_last.pt.multi30k.test.sample.seed0.topk{topk}.len1x+10.bleu.json"
+        assert json.loads((tmp_path / name).read_text())["settings"]["topk"] == topk
     command[-1] = f"data.path={tmp_path / 'nowhere'}"
     missing = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert missing.returncode == 2 and missing.stderr.strip().startswith("error: ")

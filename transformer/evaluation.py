@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from sacrebleu.metrics import BLEU
 from sacremoses import MosesTokenizer
 
@@ -192,18 +193,25 @@ def read_split(cfg: DataConfig, role: str) -> Split:
     return load_splits(only)[role]
 
 
-def _search_name(cfg: EvaluateConfig, models: int) -> str:
-    """`beam4.alpha0.6`, `greedy` or `sample.seed<s>`, then `.len<a>x+<b>` for an output limit other than
-    §6.1's, `.bf16` or `.int8` for those precisions, `.ensemble<n>` for n checkpoints: another search
-    never overwrites a result."""
+def _search_name(cfg: EvaluateConfig, models: int, bf16: bool) -> str:
+    """`beam4.alpha0.6`, `greedy` or `sample.seed<s>` (`sample<n>` for n samples, then `.topk<k>`,
+    `.topp<p>`, `.temp<t>` where set), then `.len<a>x+<b>` for an output limit other than §6.1's, `.bf16`
+    (the weights in bf16, as auto on CUDA) or `.int8`, `.ensemble<n>` for n checkpoints (`.w<w1>-<w2>...`
+    with weights): another search never overwrites a result."""
     search = f"beam{cfg.beam_size}.alpha{cfg.alpha:g}" if cfg.beam_size > 1 else "greedy"
     if cfg.sampling:
-        search = f"sample.seed{cfg.seed}"
+        shape, plain = {"topk": cfg.topk, "topp": cfg.topp, "temp": cfg.temperature}, (0, 1.0, 1.0)
+        search = f"sample{cfg.nbest if cfg.nbest > 1 else ''}.seed{cfg.seed}"
+        search += "".join(f".{k}{v:g}" for (k, v), unset in zip(shape.items(), plain) if v != unset)
     if (cfg.max_len_a, cfg.max_len_b) != (EvaluateConfig.max_len_a, EvaluateConfig.max_len_b):
         search += f".len{cfg.max_len_a:g}x+{cfg.max_len_b}"  # another output limit
-    if cfg.precision in ("bf16", "int8"):
-        search += f".{cfg.precision}"
-    return search + (f".ensemble{models}" if models > 1 else "")
+    if cfg.precision == "int8" or bf16:
+        search += ".int8" if cfg.precision == "int8" else ".bf16"
+    if models > 1:
+        search += f".ensemble{models}" + (
+            ".w" + "-".join(f"{w:g}" for w in cfg.weights) if cfg.weights else ""
+        )
+    return search
 
 
 def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = None) -> dict[str, Any]:
@@ -229,7 +237,8 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
     hypotheses = translator.translate(split.src, progress=True)
     lowercase = cfg.lowercase if cfg.lowercase is not None else wants_lowercase(data.name, cfg.split)
     scores = score_all(hypotheses, split.tgt, data.tgt_lang, lowercase)
-    stem = f"{checkpoints[0]}.{data.name}.{cfg.split}.{_search_name(cfg, len(checkpoints))}"
+    bf16 = next(translator.model.parameters()).dtype == torch.bfloat16
+    stem = f"{checkpoints[0]}.{data.name}.{cfg.split}.{_search_name(cfg, len(checkpoints), bf16)}"
     result: dict[str, Any] = {
         "checkpoint": cfg.checkpoint,
         "step": translator.info.get("step"),
