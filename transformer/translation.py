@@ -78,7 +78,8 @@ class Translator:
             )
         self.info = info or {}  # the checkpoint's step, data_meta and run config
         self.device = next(self.model.parameters()).device
-        positions = min(m.cfg.max_positions for m in self.models)  # an ensemble: its shortest member's
+        # an ensemble's sources and outputs fit its shortest member
+        positions = self.max_positions = min(m.cfg.max_positions for m in self.models)
         # Longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b outputs.
         if cfg.max_len_a == 0:
             room = positions if cfg.max_len_b <= positions else 0
@@ -211,7 +212,7 @@ class Translator:
         an empty line."""
         if len(lines) != len(translations):
             raise ConfigError(f"{len(lines)} input lines but {len(translations)} translations to score")
-        sources, room = self.encode(lines), min(m.cfg.max_positions for m in self.models) - 1
+        sources, room = self.encode(lines), self.max_positions - 1
         targets = [self.tokenizer.encode(t)[:room] + [EOS_ID] for t in translations]
         scored: list[Translation | None] = [None] * len(lines)
         todo = [i for i, ids in enumerate(sources) if ids]
