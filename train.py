@@ -20,11 +20,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from transformer.checkpoint import CheckpointError
-from transformer.cli import exit_with_error
 from transformer.config import ConfigError, TrainConfig, app_defaults, from_dict
 from transformer.data.sources import DataError
-from transformer.finish import check_finish, finish
 from transformer.training import TrainingError, TrainingStopped, train
+from transformer.training.finish import check_finish, finish
+from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(name="train_defaults", node=app_defaults("train"))  # every default
 

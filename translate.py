@@ -23,12 +23,12 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from transformer import atomic
 from transformer.checkpoint import CheckpointError
-from transformer.cli import exit_with_error
 from transformer.config import ConfigError, TranslateConfig, app_defaults, from_dict
-from transformer.formats import format_line
-from transformer.translation import Translator, split_input
+from transformer.inference.formats import format_line
+from transformer.inference.translation import Translator, split_input
+from transformer.utils import atomic
+from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(name="translate_defaults", node=app_defaults("translate"))  # every default
 

@@ -18,7 +18,7 @@ from transformer.checkpoint import (
     list_checkpoints,
     write_checkpoint,
 )
-from transformer.cli import exit_with_error
+from transformer.utils.cli import exit_with_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

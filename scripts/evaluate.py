@@ -25,11 +25,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from transformer.checkpoint import CheckpointError
-from transformer.cli import exit_with_error
 from transformer.config import ConfigError, DataConfig, EvaluateConfig, app_defaults, from_dict, known
 from transformer.data.sources import DataError
-from transformer.evaluation import evaluate_checkpoint
-from transformer.translation import Translator
+from transformer.inference.evaluation import evaluate_checkpoint
+from transformer.inference.translation import Translator
+from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(name="evaluate_defaults", node=app_defaults("evaluate"))  # every default
 

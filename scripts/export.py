@@ -18,8 +18,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.cli import exit_with_error
 from transformer.config import ConfigError, ExportConfig, app_defaults, from_dict
+from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(name="export_defaults", node=app_defaults("export"))  # every default
 

@@ -14,10 +14,10 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from transformer.cli import exit_with_error
 from transformer.config import ConfigError, DataConfig, app_defaults, from_dict
 from transformer.data.prepare import prepare
 from transformer.data.sources import DataError
+from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(
     name="prepare_data_defaults", node=app_defaults("prepare_data")

@@ -16,9 +16,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from transformer.checkpoint import CheckpointError
-from transformer.cli import exit_with_error
 from transformer.config import ConfigError, ServeConfig, app_defaults, from_dict
 from transformer.serving.server import serve
+from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(name="serve_defaults", node=app_defaults("serve"))  # every default
 

@@ -12,9 +12,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from transformer.checkpoint import CheckpointError
-from transformer.cli import exit_with_error
 from transformer.config import ConfigError, VisualizeConfig, app_defaults, from_dict
-from transformer.visualize import visualize_checkpoint
+from transformer.inference.visualize import visualize_checkpoint
+from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(
     name="visualize_defaults", node=app_defaults("visualize")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer import devices
 from transformer.config import TrainerConfig
 from transformer.kernels.memory import ONEDNN_KERNELS, cache_onednn_kernels
 from transformer.training.distributed import init_runtime
+from transformer.utils import devices
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 
-from transformer import atomic
 from transformer.config import ConfigError, DataConfig, ToyConfig
 from transformer.data import binarize
 from transformer.data import prepare as prepare_module
@@ -31,6 +30,7 @@ from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import prepare
 from transformer.data.sources import DataError
 from transformer.data.tokenizer import Tokenizer
+from transformer.utils import atomic
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -1,4 +1,4 @@
-"""scripts/efficiency.py end to end at tiny sizes on the CPU: what it reports must hold whatever the
+"""benchmarks/efficiency.py end to end at tiny sizes on the CPU: what it reports must hold whatever the
 machine (speed is never asserted): fused attention equals Eq. 1 written out, the cache bytes are the
 formula's, the mixtures have the parameters their shapes give."""
 
@@ -17,7 +17,7 @@ def test_the_three_routes_are_measured_and_their_accounting_is_exact(tmp_path):
     out = tmp_path / "efficiency.json"
     args = "--size tiny --threads 1 --max-len 256 --vocab 100 --sentences 2 --new-tokens 3 6"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "efficiency.py"), *args.split(), "--batch", "2",
+        [sys.executable, str(ROOT / "benchmarks" / "efficiency.py"), *args.split(), "--batch", "2",
          "--length", "8", "--rounds", "2", "--json", str(out), "--plot", str(tmp_path / "attention.png")],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

@@ -17,7 +17,7 @@ from sacrebleu.metrics import BLEU
 
 from transformer.checkpoint import load_checkpoint, write_checkpoint
 from transformer.config import ConfigError, DataConfig
-from transformer.evaluation import (
+from transformer.inference.evaluation import (
     lowercase_bleu,
     moses_tokenize,
     paper_table,

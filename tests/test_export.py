@@ -20,7 +20,7 @@ from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import greedy_search
 from transformer.export.ctranslate2 import export_ctranslate2
 from transformer.export.huggingface import export_huggingface
-from transformer.translation import Translator
+from transformer.inference.translation import Translator
 from transformer.vocab import EOS_ID, PAD_ID
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""scripts/gpu_check.py, the one command of a lent GPU machine, checked on the CPU: its dry run goes
-through every step at toy sizes, and it installs carried wheels when a package is missing."""
+"""benchmarks/gpu_check.py, every GPU check in one command, checked on the CPU: its dry run goes through
+every step at toy sizes, and a step's leftover processes never run into the next."""
 
 import importlib.util
 import json
@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ STEPS = [  # in order of value; the compiled ones have no dry run
 
 def test_the_dry_run_goes_through_every_step_and_writes_what_comes_back(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((tmp_path / "summary.json").read_text())
@@ -54,10 +53,10 @@ def test_the_dry_run_goes_through_every_step_and_writes_what_comes_back(tmp_path
 
 
 def test_some_steps_only_and_a_peer_without_the_run_it_needs_is_skipped(tmp_path):
-    """--steps runs those asked for (what a cut budget left for another session); the peers' loop trains
+    """--steps runs those asked for; the peers' loop trains
     on the eager run's batches: without that run it is skipped, not run in its place."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
     done = subprocess.run(
         [*command, "--steps", "loop_peers,benchmark"], capture_output=True, text=True, env=env
     )
@@ -83,35 +82,7 @@ def test_what_a_step_leaves_running_is_killed_before_the_next(tmp_path):
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     return gpu_check
-
-
-def _wheel(directory: Path, name: str) -> Path:
-    """A minimal pure-Python wheel holding the module `name`."""
-    path = directory / f"{name}-0.1-py3-none-any.whl"
-    info = f"{name}-0.1.dist-info"
-    with zipfile.ZipFile(path, "w") as wheel:
-        wheel.writestr(f"{name}.py", "ANSWER = 42\n")
-        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
-        wheel.writestr(
-            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        )
-        wheel.writestr(f"{info}/RECORD", "")
-    return path
-
-
-def test_missing_packages_are_installed_from_the_carried_wheels(tmp_path, monkeypatch):
-    gpu_check = _module()
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    _wheel(wheels, "gpu_check_probe")
-    monkeypatch.setattr(gpu_check, "NEEDED", ("gpu_check_probe",))
-    env = gpu_check.environment(wheels, tmp_path / "site")
-    probe = [sys.executable, "-c", "import gpu_check_probe; print(gpu_check_probe.ANSWER)"]
-    assert subprocess.run(probe, capture_output=True, text=True, env=env).stdout == "42\n"
-    monkeypatch.setattr(gpu_check, "NEEDED", ("json",))  # nothing missing: nothing installed
-    gpu_check.environment(wheels, tmp_path / "site2")
-    assert not (tmp_path / "site2").exists()

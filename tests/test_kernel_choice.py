@@ -15,14 +15,14 @@ from test_training_run import assert_same_state, compose_config, corpus, overrid
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer.kernels as kernels_module
-from transformer import devices
 from transformer.checkpoint import checkpoint_dir, load_checkpoint
 from transformer.config import ConfigError
 from transformer.decoding import beam_search, search_weights
-from transformer.devices import CpuFeatures
+from transformer.inference.translation import Translator
 from transformer.kernels import Kernels
 from transformer.training import train
-from transformer.translation import Translator
+from transformer.utils import devices
+from transformer.utils.devices import CpuFeatures
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")

@@ -11,9 +11,9 @@ from conftest import sdpa_calls
 from transformer.attention import MultiHeadAttention
 from transformer.checkpoint import current_names
 from transformer.config import ConfigError, ModelConfig
+from transformer.inference.visualize import recording
 from transformer.layers import EncoderLayer, sinusoidal_table
 from transformer.model import Transformer
-from transformer.visualize import recording
 
 PAD = 0
 

@@ -22,8 +22,8 @@ from transformer.checkpoint import (
 from transformer.config import DecodeConfig, TrainConfig, from_dict
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import greedy_search
+from transformer.inference.translation import Translator
 from transformer.training import train
-from transformer.translation import Translator
 from transformer.vocab import EOS_ID
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from transformer.config import ServeConfig, TranslateConfig
+from transformer.inference.translation import Translator
 from transformer.kernels import onednn
 from transformer.serving.server import serve
-from transformer.translation import Translator
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "tests" / "data" / "checkpoint_2b99159.pt"  # a small trained toy model

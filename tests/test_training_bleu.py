@@ -21,9 +21,9 @@ from test_training_run import ENV, ROOT, compose_config, corpus, overrides, tens
 
 from transformer.checkpoint import BEST, checkpoint_dir, load_checkpoint
 from transformer.config import ConfigError, EvaluateConfig, TrainConfig, TrainerConfig, from_dict
-from transformer.evaluation import evaluate_checkpoint
-from transformer.finish import finish
+from transformer.inference.evaluation import evaluate_checkpoint
 from transformer.training import train
+from transformer.training.finish import finish
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -14,7 +14,6 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer import devices
 from transformer.config import (
     ConfigError,
     DataConfig,
@@ -28,9 +27,10 @@ from transformer.config import (
     app_defaults,
     from_dict,
 )
-from transformer.devices import CpuFeatures
-from transformer.finish import check_finish, print_next_steps
 from transformer.training import train
+from transformer.training.finish import check_finish, print_next_steps
+from transformer.utils import devices
+from transformer.utils.devices import CpuFeatures
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))

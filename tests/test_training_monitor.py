@@ -8,10 +8,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from transformer.config import ModelConfig
+from transformer.inference.visualize import recording
 from transformer.model import Transformer
 from transformer.training import monitor
 from transformer.training.loss import Seq2SeqLoss
-from transformer.visualize import recording
 
 # the mixture: capacity for every assignment, so that each token runs its k experts
 MIXTURE = {"moe_experts": 4, "moe_top_k": 2, "moe_capacity": 2.0}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from transformer.config import ConfigError, TranslateConfig
-from transformer.translation import Translator, split_input
+from transformer.inference.translation import Translator, split_input
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

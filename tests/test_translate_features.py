@@ -22,8 +22,8 @@ from transformer.checkpoint import load_checkpoint, model_from_checkpoint, write
 from transformer.config import ConfigError, TranslateConfig
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import length_penalty
+from transformer.inference.translation import Translator
 from transformer.training.loss import smoothed_cross_entropy
-from transformer.translation import Translator
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 ROOT = Path(__file__).resolve().parents[1]

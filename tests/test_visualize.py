@@ -11,12 +11,12 @@ import pytest
 from conftest import make_tiny_checkpoint
 from test_training_config import composed
 
-from transformer import visualize
 from transformer.checkpoint import RESUME_KEYS, load_checkpoint, write_checkpoint
 from transformer.config import ConfigError, VisualizeConfig
-from transformer.finish import finish
-from transformer.translation import Translator
-from transformer.visualize import attention_figures
+from transformer.inference import visualize
+from transformer.inference.translation import Translator
+from transformer.inference.visualize import attention_figures
+from transformer.training.finish import finish
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""scripts/wmt_sample_corpus.py on a folder of the shared data's layout: BPE markers removed, Moses
+"""benchmarks/wmt_sample_corpus.py on a folder of the shared data's layout: BPE markers removed, Moses
 tokenization undone, newstest2013 as validation."""
 
 import subprocess
@@ -18,7 +18,12 @@ def test_the_samples_become_one_detokenized_corpus(tmp_path):
             (shared / "wmt_sample" / f"{sample}.{lang}").write_text(f"{line}\n{line}\n", encoding="utf-8")
         (shared / "wmt14" / f"newstest2013.{lang}").write_text("One.\nTwo.\n", encoding="utf-8")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "wmt_sample_corpus.py"), str(shared), str(tmp_path / "out")],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "wmt_sample_corpus.py"),
+            str(shared),
+            str(tmp_path / "out"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from transformer import atomic
-from transformer.atomic import TEMP_SUFFIX
 from transformer.config import ModelConfig, from_dict
 from transformer.model import Transformer
+from transformer.utils import atomic
+from transformer.utils.atomic import TEMP_SUFFIX
 from transformer.vocab import PAD_ID
 
 FORMAT = "transformer-checkpoint"
@@ -65,7 +65,7 @@ class CheckpointError(Exception):
 
 
 def write_checkpoint(obj: Any, path: str | Path) -> None:
-    """torch.save, atomically (see `transformer.atomic`), creating the directory if needed; a disk too
+    """torch.save, atomically (see `transformer.utils.atomic`), creating the directory if needed; a disk too
     full for it is a CheckpointError, before writing where the free space shows it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from transformer import atomic
 from transformer.data.tokenizer import Tokenizer
+from transformer.utils import atomic
 from transformer.vocab import UNK_ID
 
 CHUNK_PAIRS = 20_000  # pairs per task sent to a worker: large enough to amortise the transfer

@@ -22,8 +22,6 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from transformer import atomic
-from transformer.atomic import remove_temp_files
 from transformer.config import ConfigError, DataConfig, to_dict
 from transformer.data import tokenizer as spm_tokenizer
 from transformer.data.binarize import (
@@ -35,6 +33,8 @@ from transformer.data.binarize import (
     shard_files,
 )
 from transformer.data.sources import DataError, Split, load_splits, split_names
+from transformer.utils import atomic
+from transformer.utils.atomic import remove_temp_files
 from transformer.vocab import SPECIAL_IDS
 
 log = logging.getLogger(__name__)

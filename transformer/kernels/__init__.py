@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from transformer.attention import MultiHeadAttention
-from transformer.devices import CpuFeatures, cpu_features
 from transformer.kernels.cpu import NoiseDropout, OneDNNFeedForward, OneDNNLinear, ShortAttention
 from transformer.kernels.memory import cache_onednn_kernels, keep_freed_memory
 from transformer.kernels.onednn import Products
+from transformer.kernels.replace import replaced, shallow_copy
 from transformer.layers import FeedForward
-from transformer.replace import replaced, shallow_copy
+from transformer.utils.devices import CpuFeatures, cpu_features
 
 M = TypeVar("M", bound=nn.Module)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer.devices import has_int8_engine
+from transformer.utils.devices import has_int8_engine
 
 # fbgemm's int8 products: activations in 7 bits where a CPU without VNNI could saturate 16-bit sums
 REDUCE_RANGE = True

@@ -31,9 +31,9 @@ from importlib import resources
 from typing import Any
 
 from transformer.config import ConfigError, DecodeConfig, ServeConfig
-from transformer.formats import translation_dict
-from transformer.translation import Translator
-from transformer.visualize import attention_weights
+from transformer.inference.formats import translation_dict
+from transformer.inference.translation import Translator
+from transformer.inference.visualize import attention_weights
 
 log = logging.getLogger(__name__)
 

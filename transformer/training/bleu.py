@@ -10,13 +10,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from transformer import atomic
 from transformer.checkpoint import checkpoint_dir
 from transformer.config import DecodeConfig, TrainConfig
 from transformer.data.tokenizer import Tokenizer
-from transformer.evaluation import published, read_split, score_all, wants_lowercase
+from transformer.inference.evaluation import published, read_split, score_all, wants_lowercase
+from transformer.inference.translation import Translator
 from transformer.training.state import Run
-from transformer.translation import Translator
+from transformer.utils import atomic
 
 
 @dataclass

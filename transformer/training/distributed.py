@@ -28,9 +28,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 from transformer.config import ConfigError, TrainerConfig
-from transformer.devices import resolve_device, training_dtype
 from transformer.kernels import Kernels, cache_onednn_kernels, keep_freed_memory
 from transformer.training.loss import Seq2SeqLoss
+from transformer.utils.devices import resolve_device, training_dtype
 
 PREPARE_TIMEOUT = timedelta(hours=12)  # rank 0 may spend hours preparing WMT14 while the others wait
 

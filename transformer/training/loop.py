@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from transformer.atomic import remove_temp_files
 from transformer.checkpoint import (
     RESUME_KEYS,
     CheckpointError,
@@ -40,6 +39,7 @@ from transformer.training.monitor import Monitor, bf16_peak_flops
 from transformer.training.policy import Decision, Policy
 from transformer.training.state import Run, check_same_model, start_run
 from transformer.training.step import finish_step, queue_step, validate
+from transformer.utils.atomic import remove_temp_files
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from transformer.atomic import write_bytes
 from transformer.config import ModelConfig
 from transformer.training.profile import Profiled, Profiler
+from transformer.utils.atomic import write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bench.measure import FIRST_TOKEN, KERNELS_OFF, KERNELS_ON, Setup, interleave, side_kernels
-from bench.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
+from harness.measure import FIRST_TOKEN, KERNELS_OFF, KERNELS_ON, Setup, interleave, side_kernels
+from harness.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ConfigError, ModelConfig
 from transformer.decoding import Sampling, beam_search, greedy_search, search_weights
-from transformer.devices import decoding_dtype
 from transformer.kernels import Kernels
 from transformer.model import Transformer
+from transformer.utils.devices import decoding_dtype
 from transformer.vocab import EOS_ID
 
 POLICIES = ("ours, n-best 4", "ours, 4 samples (top-k 50)")

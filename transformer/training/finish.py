@@ -21,10 +21,10 @@ from transformer.checkpoint import (
 )
 from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
 from transformer.data.sources import split_names
-from transformer.devices import decoding_dtype
-from transformer.evaluation import evaluate_checkpoint
-from transformer.translation import Translator
-from transformer.visualize import draw_attention
+from transformer.inference.evaluation import evaluate_checkpoint
+from transformer.inference.translation import Translator
+from transformer.inference.visualize import draw_attention
+from transformer.utils.devices import decoding_dtype
 
 log = logging.getLogger(__name__)
 

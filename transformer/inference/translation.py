@@ -31,9 +31,9 @@ from transformer.decoding import (
     search_weights,
 )
 from transformer.decoding.scoring import Linear, project
-from transformer.devices import decoding_dtype, resolve_device
 from transformer.kernels import Kernels
 from transformer.model import Transformer
+from transformer.utils.devices import decoding_dtype, resolve_device
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 log = logging.getLogger(__name__)

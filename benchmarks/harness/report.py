@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.decode import ours_for
-from bench.measure import PAD_MULTIPLE
-from bench.train import fastest_mode
+from harness.decode import ours_for
+from harness.measure import PAD_MULTIPLE
+from harness.train import fastest_mode
+from transformer.utils import atomic
 
 Column = tuple[str, str, str]  # header, key, format spec
 
@@ -233,11 +232,10 @@ def print_loop(loop: dict[str, Any]) -> None:
 def print_summary(report: dict[str, Any]) -> None:
     """The run's time and load, the goals of the device, the notes."""
     meta = report["meta"]
-    load = meta["load_average_at_end"]
-    print(
-        f"\n== {meta['seconds']:.0f} s in all; load average {'n/a' if load is None else f'{load[0]:.1f}'} "
-        "at the end =="
-    )
+    if "seconds" in meta:
+        load = meta.get("load_average_at_end")
+        load = "n/a" if load is None else f"{load[0]:.1f}"
+        print(f"\n== {meta['seconds']:.0f} s in all; load average {load} at the end ==")
     if report["targets"]:
         print("\ntargets on this device (ours / peer, and peak memory on CUDA):")
         for t in report["targets"]:
@@ -246,18 +244,11 @@ def print_summary(report: dict[str, Any]) -> None:
                 print(f"  {t['goal']}: {t['gib']:.1f} GiB (target <= {t['target']:g} GiB: {verdict})")
             else:
                 print(f"  {t['goal']}: {t['ratio']:.2f}x (target >= {t['target']}x: {verdict})")
-    for note in report["notes"]:
+    for note in report.get("notes", []):
         print(f"note: {note}")
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    """Atomically: a temporary file in the same directory, flushed and synced, then renamed."""
+    """Atomically: a kill while writing never leaves half a report."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        json.dump(report, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(f.name, 0o666 & ~umask)  # the permissions of any new file, not the temporary file's 0600
-    os.replace(f.name, path)
+    atomic.write_bytes(path, (json.dumps(report, indent=2) + "\n").encode("utf-8"))

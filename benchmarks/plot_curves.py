@@ -1,8 +1,8 @@
 """Training curves of one or more runs, from their TensorBoard event files, as one PNG.
 
-python scripts/plot_curves.py runs/multi30k --output docs/results/multi30k_curves.png
-python scripts/plot_curves.py runs/a runs/b --output curves.png       # runs side by side
-python scripts/plot_curves.py runs/a runs/b --perplexity --output ppl.png   # train and valid perplexity
+python benchmarks/plot_curves.py runs/multi30k --output docs/results/multi30k_curves.png
+python benchmarks/plot_curves.py runs/a runs/b --output curves.png       # runs side by side
+python benchmarks/plot_curves.py runs/a runs/b --perplexity --output ppl.png   # train and valid perplexity
 """
 
 import argparse

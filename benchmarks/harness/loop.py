@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.data import wmt_like_lengths
-from bench.peers import TorchTransformerPeer
+from harness.data import wmt_like_lengths
+from harness.peers import TorchTransformerPeer
 from transformer.checkpoint import load_checkpoint
 from transformer.config import DataConfig, ModelConfig, TrainerConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler

@@ -1,8 +1,9 @@
 """Speed of the project against peer implementations, side by side in one run, with ratios.
 
-    python scripts/benchmark.py --device cuda --size base --json bench.json
-    python scripts/benchmark.py --device cpu --size base --threads 2          # small CPU batches
-    python scripts/benchmark.py --device cpu --size tiny --sections data      # seconds
+    python benchmarks/benchmark.py --device cuda --size base --json bench.json
+    python benchmarks/benchmark.py --device cpu --size base --threads 2          # small CPU batches
+    python benchmarks/benchmark.py --device cpu --size tiny --sections data      # seconds
+    python benchmarks/benchmark.py --summarize bench.json     # the goals of a saved run, measuring nothing
 
 Sections (`--sections train,decode,data`; `loop` when asked):
 
@@ -27,12 +28,13 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
         measured with `--big`, else its speed is the base speed scaled by the FLOPs counted for both.
 decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output tokens (EOS suppressed
         until then): beam 4 over `--beam-sentences` and greedy over `--greedy-sentences` for ours
-        (beam_search / greedy_search with min_len; on a CPU also with the kernels off, and on where the
-        instruction set chooses fewer, and in 8 bits (precision=int8; x86 only), with the weights packed
-        once for all runs (for oneDNN where its products run, in 8 bits for int8), as translate.py packs
-        them once for all batches; on CUDA also beam_search in static shapes with each step a CUDA graph
-        replay, as translate.py cuda_graphs=true), Hugging Face `generate` and CTranslate2 (the same
-        Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output tokens/s, sentences/s.
+        (beam_search with min_len, greedy as its beam of 1; on a CPU also with the kernels off, and on
+        where the instruction set chooses fewer, and in 8 bits (precision=int8; x86 only), with the
+        weights packed once for all runs (for oneDNN where its products run, in 8 bits for int8), as
+        translate.py packs them once for all batches; on CUDA also beam_search in static shapes with
+        each step a CUDA graph replay, as translate.py cuda_graphs=true), Hugging Face `generate` and
+        CTranslate2 (the same Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output
+        tokens/s, sentences/s.
         The goals compare the fastest of ours with each peer.
 data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at `--data-budget` tokens:
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
@@ -42,7 +44,7 @@ loop    train.py itself, each run a process (`--loop-runs`): eager (on CUDA its 
         replays), compiled (trainer.compile=true), without CUDA graphs, with attention's backends but
         cuDNN, and with the length buckets the device does not use by default;
         the corpus `--loop-corpus` (files
-        train.<src>, train.<tgt>; e.g. the WMT sample of scripts/wmt_sample_corpus.py) or synthetic words
+        train.<src>, train.<tgt>; e.g. the WMT sample of benchmarks/wmt_sample_corpus.py) or synthetic words
         of WMT-like lengths, prepared with a `--loop-vocab` BPE into `--loop-data-dir`. Reported per run:
         target tokens/s over the first `--loop-steps` steps from process start (imports, data, compiles,
         plans) and over the steady steps after them, the seconds to the first step, recompiles, the real
@@ -66,7 +68,7 @@ device (bench/report.py: TRAIN_GOAL, MEMORY_GOAL_GIB, DECODE_GOALS), met or not.
 figure. Sizes: tiny (smoke tests), base (the paper's base model: N=6, d_model=512, h=8, d_ff=2048,
 vocab 37000); the big model is d_model=1024, h=16, d_ff=4096.
 
-The code, one file per part under bench/: measure.py (timing, interleaving, matmul peak, FLOPs, memory),
+The code, one file per part under harness/: measure.py (timing, interleaving, matmul peak, FLOPs, memory),
 peers.py (the peer models and the CTranslate2 process), train.py, decode.py, data.py (the sections),
 report.py (tables, goals, JSON).
 """
@@ -74,6 +76,7 @@ report.py (tables, goals, JSON).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -81,17 +84,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench.data import section_data
-from bench.decode import section_decode
-from bench.loop import RUNS, section_loop
-from bench.measure import Setup, make_setup, register_cpu_flops, release_free_memory
-from bench.peers import available_peers
-from bench.report import print_header, print_section, print_summary, targets, write_json
-from bench.train import section_train
+from harness.data import section_data
+from harness.decode import section_decode
+from harness.loop import RUNS, section_loop
+from harness.measure import Setup, make_setup, register_cpu_flops, release_free_memory
+from harness.peers import available_peers
+from harness.report import print_header, print_section, print_summary, targets, write_json
+from harness.train import section_train
 
 from transformer.config import ModelConfig
-from transformer.devices import cpu_features
 from transformer.kernels import Kernels
+from transformer.utils.devices import cpu_features
 
 SIZES = {
     "tiny": ModelConfig(vocab_size=1000, d_model=64, n_heads=4, d_ff=256, n_layers=2),
@@ -119,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--size", choices=sorted(SIZES), default="base")
     p.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    p.add_argument("--summarize", type=Path, help="print the goals of a saved --json report; measure nothing")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (torch and CTranslate2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peers", default="torch,marian,ct2", help="comma-separated: torch, marian, ct2")
@@ -222,6 +226,11 @@ def describe(args: argparse.Namespace, setup: Setup, cfg: ModelConfig) -> dict[s
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.summarize is not None:  # a saved run's goals, as this version of the harness states them
+        report = json.loads(args.summarize.read_text())
+        report["targets"] = targets(report)
+        print_summary(report)
+        return report
     start = time.perf_counter()
     setup = make_setup(args.device, args.threads)
     cfg = SIZES[args.size]

@@ -3,7 +3,7 @@ base model's size (docs/results.md, "Initialisation"): the four samples' 50,000 
 removed and Moses tokenization undone (one sample is lowercased, as shipped), as train.{en,de}, and
 newstest2013 as valid.{en,de}.
 
-python scripts/wmt_sample_corpus.py ../shared/data data/wmt_sample_raw
+python benchmarks/wmt_sample_corpus.py ../shared/data data/wmt_sample_raw
 python train.py experiment=paper_base data.source=local data.path=data/wmt_sample_raw \
     "data.local_splits={train:train,valid:valid}" "data.splits={train:train,valid:valid}" \
     data.name=wmt_sample data.dir=data/wmt_sample data.vocab_size=8000 ...

@@ -18,13 +18,13 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from transformer import atomic
 from transformer.attention import MultiHeadAttention, reference_attention
 from transformer.config import ConfigError, VisualizeConfig
 from transformer.data.tokenizer import Tokenizer
+from transformer.inference.translation import Translator
+from transformer.kernels.replace import replaced, shallow_copy
 from transformer.model import Transformer
-from transformer.replace import replaced, shallow_copy
-from transformer.translation import Translator
+from transformer.utils import atomic
 from transformer.vocab import BOS_ID
 
 log = logging.getLogger(__name__)

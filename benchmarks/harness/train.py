@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from bench.data import wmt_like_lengths
-from bench.measure import (
+from harness.data import wmt_like_lengths
+from harness.measure import (
     FIRST_TOKEN,
     PAD_MULTIPLE,
     Setup,
@@ -28,7 +28,7 @@ from bench.measure import (
     side_kernels,
     timed,
 )
-from bench.peers import MarianPeer, OursObjective, TorchTransformerPeer
+from harness.peers import MarianPeer, OursObjective, TorchTransformerPeer
 from transformer.config import ModelConfig
 from transformer.data.batching import Batch, TokenBudgetBatchSampler, collate
 from transformer.kernels import Kernels

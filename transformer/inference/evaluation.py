@@ -29,10 +29,10 @@ import torch
 from sacrebleu.metrics import BLEU
 from sacremoses import MosesTokenizer
 
-from transformer import atomic
 from transformer.config import ConfigError, DataConfig, EvaluateConfig, to_dict
 from transformer.data.sources import Split, load_splits, split_names
-from transformer.translation import Translator
+from transformer.inference.translation import Translator
+from transformer.utils import atomic
 
 log = logging.getLogger(__name__)
 

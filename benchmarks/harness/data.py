@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.measure import PAD_MULTIPLE, timed
+from harness.measure import PAD_MULTIPLE, timed
 from transformer.config import DataConfig, TrainerConfig
 from transformer.data.batching import TokenBudgetBatchSampler, bucket_lengths, padded_length
 from transformer.data.dataset import ShardDataset

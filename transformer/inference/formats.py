@@ -17,7 +17,7 @@ import json
 import math
 from typing import Any
 
-from transformer.translation import Translation
+from transformer.inference.translation import Translation
 
 
 def translation_dict(t: Translation) -> dict[str, Any]:

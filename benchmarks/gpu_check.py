@@ -1,33 +1,25 @@
-"""Every GPU check of the project in one command, for a GPU machine lent for minutes, in order of value
-(a cut budget loses the last): the real training loop (`benchmark.py --sections loop`: train.py at the
+"""Every GPU check of the project in one command on a CUDA machine, in order of value (a time budget
+that runs out loses the last): the real training loop (`benchmark.py --sections loop`: train.py at the
 base size on WMT lengths with its defaults, length buckets and CUDA graphs), the same without cuDNN
 attention (which decides the backends' default), compiled, the GPU tests, the torch.nn.Transformer loop
 on the same batches, ours without CUDA graphs, translation with and without CUDA graphs compared line by
 line, ours without buckets, the compiled torch.nn.Transformer loop and the fixed-shape step.
-Each step runs in its own process group under `timeout -k` inside one budget, so a failure or a timeout
-costs only that step (a loop step keeps the runs it finished; what a step leaves running is killed);
-a broken environment stops the check at once. The results go to `summary.json`, `summary.md` (its table
-printed last), `benchmark.json`, `loop.json` and `steps.log` (every step's output, with the end of each
-train.py log and its profile) in --out (default $OUT, else gpu_check/). `--steps` runs some steps only
-(e.g. those a cut budget left for another session).
+Each step runs in its own process group under `timeout -k` inside one budget (`--budget`), so a failure
+or a timeout costs only that step (a loop step keeps the runs it finished; what a step leaves running is
+killed); a broken environment stops the check at once. The results go to `summary.json`, `summary.md`
+(its table printed last), `benchmark.json`, `loop.json` and `steps.log` (every step's output, with the
+end of each train.py log and its profile) in --out. `--steps` runs some steps only.
 
-    python scripts/gpu_check.py                 # on a CUDA machine: about 9 minutes on one H200
-    python scripts/gpu_check.py --dry-run       # anywhere: the same steps at toy sizes on the CPU
+    python benchmarks/gpu_check.py                 # on a CUDA machine: about 9 minutes on one H200
+    python benchmarks/gpu_check.py --dry-run       # anywhere: the same steps at toy sizes on the CPU
 
-The loop runs on the WMT sample (`--corpus`, default data/wmt_sample_raw from scripts/wmt_sample_corpus.py)
+The loop runs on the WMT sample (`--corpus`, default data/wmt_sample_raw from benchmarks/wmt_sample_corpus.py)
 prepared with a 37,000-piece BPE into `--prepared` (default data/bench_loop37k), else on synthetic
-lengths. Prepare it on any machine first and carry both folders (prepare() checks the settings, the
-relative path included, and skips the work):
+lengths. Preparing takes minutes on a CPU: it may be done on another machine and the two folders copied
+(prepare() checks the settings, the relative path included, and skips the work):
 
-    python scripts/benchmark.py --device cpu --sections loop --loop-runs "" \
+    python benchmarks/benchmark.py --device cpu --sections loop --loop-runs "" \
         --loop-corpus data/wmt_sample_raw --loop-data-dir data/bench_loop37k
-
-The GPU machine of this project's device tool has torch, sentencepiece, sacrebleu, tensorboard and
-transformers but not hydra-core, omegaconf or sacremoses. Their wheels are pure Python, so a folder
-built on any machine serves (--wheels, default .whl; installed into a temporary folder when needed):
-
-    pip wheel --no-deps -w .whl hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 \
-        sacremoses==0.1.1
 """
 
 from __future__ import annotations
@@ -46,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-NEEDED = ("hydra", "omegaconf", "sacremoses")  # imported by train.py, translate.py and the evaluation
 STEPS = (  # in order of value; a compiled step has no dry run (compiling takes minutes on a CPU)
     "loop_eager",
     "loop_no_cudnn",
@@ -66,8 +57,7 @@ LEAST = 30  # seconds a step needs to measure anything: with less left it is not
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU: checks the plumbing")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
-    parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheels of missing packages")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check"), help="where the results go")
     parser.add_argument("--budget", type=int, default=480, help="seconds for all steps together")
     # relative to the checkout, as when they were prepared: prepare() compares the path as written
     parser.add_argument("--corpus", type=Path, default=Path("data/wmt_sample_raw"), help="loop corpus")
@@ -89,9 +79,7 @@ def main() -> None:
 
 def run_all(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     """The steps asked for, in order of value (a cut budget loses the last); their results by name."""
-    check = Check(
-        args.out, args.dry_run, environment(args.wheels, work / "site"), time.monotonic() + args.budget
-    )
+    check = Check(args.out, args.dry_run, environment(), time.monotonic() + args.budget)
     if not check.run("environment", [sys.executable, "-c", _ENVIRONMENT], 60):
         return check.results  # nothing else can run
     corpus = ["--loop-corpus", str(args.corpus), "--loop-data-dir", str(args.prepared)]
@@ -150,7 +138,7 @@ class Loop:
             self.check.skip(name, f"no {needs.parent.parent.name} run")
             return
         out = self.work / f"{name}.json"
-        command = [sys.executable, "scripts/benchmark.py", "--sections", "loop", "--loop-runs", runs]
+        command = [sys.executable, "benchmarks/benchmark.py", "--sections", "loop", "--loop-runs", runs]
         command += ["--loop-work", str(self.work), "--json", str(out), *self.corpus]
         if self.check.dry_run:
             command += ["--device", "cpu", "--size", "tiny", "--threads", "1", "--loop-steps", "2,2"]
@@ -280,18 +268,10 @@ def _figures(result: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in result.items() if k not in ("ok", "status", "seconds"))
 
 
-def environment(wheels: Path, site: Path) -> dict[str, str]:
-    """This process's environment, with the wheels in `wheels` installed into `site` (and on PYTHONPATH)
-    where one of NEEDED is missing."""
+def environment() -> dict[str, str]:
+    """This process's environment, with the checkout on PYTHONPATH (the steps' scripts import it)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), env.get("PYTHONPATH")])
-    )  # the steps' scripts
-    if all(importlib.util.find_spec(name) for name in NEEDED) or not wheels.is_dir():
-        return env
-    install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
-    subprocess.run([*install, *map(str, sorted(wheels.glob("*.whl")))])  # a failure: the environment step
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
@@ -316,7 +296,7 @@ def _pytest(dry_run: bool) -> list[str]:
 def _benchmark(dry_run: bool, json_path: Path) -> list[str]:
     """The fixed-shape training step at the base size against torch.nn.Transformer (a dry run: the data
     section, tiny)."""
-    command = [sys.executable, "scripts/benchmark.py", "--json", str(json_path)]
+    command = [sys.executable, "benchmarks/benchmark.py", "--json", str(json_path)]
     if dry_run:
         return [*command, "--device", "cpu", "--size", "tiny", "--sections", "data", "--data-pairs", "20000"]
     return [*command, "--device", "cuda", "--size", "base", "--sections", "train", "--peers", "torch"]

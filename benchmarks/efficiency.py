@@ -10,7 +10,7 @@ kv         grouped-query and multi-query attention (`model.n_kv_heads` = h, h/2,
 moe        a mixture-of-experts feed-forward network (`model.moe_experts`) against the dense one at equal
            active feed-forward parameters per token: parameters in total and active, training tokens/s.
 
-    python scripts/efficiency.py --device cpu --threads 2 --json efficiency.json --plot docs/efficiency.png
+    python benchmarks/efficiency.py --device cpu --threads 2 --json efficiency.json --plot docs/efficiency.png
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench.decode import decode_inputs, ours_decoder
-from bench.measure import interleave, make_setup, peak_memory, timed
-from bench.report import print_table
+from harness.decode import decode_inputs, ours_decoder
+from harness.measure import interleave, make_setup, peak_memory, timed
+from harness.report import print_table
 
 from transformer.attention import attention, reference_attention
 from transformer.config import ModelConfig

@@ -1,0 +1,1 @@
+"""The parts of benchmarks/benchmark.py: measuring, the peers, train, decode, data, the report."""

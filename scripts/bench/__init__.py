@@ -1,1 +1,0 @@
-"""The sections of scripts/benchmark.py: measuring, the peers, train, decode, data, the report."""
