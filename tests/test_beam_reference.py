@@ -31,6 +31,7 @@ import pytest
 import torch
 from conftest import sources, tiny_model
 
+from transformer.config import SearchConfig
 from transformer.decoding import SearchResult, beam_search
 from transformer.model import Transformer
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
@@ -128,8 +129,8 @@ def check_against_reference(
     """The batch's tokens and scores are the reference's, sentence by sentence, and it runs as many
     decoder steps as its slowest sentence needs (done sentences leave the batch or stay frozen in it).
     Returns the references and the steps run."""
-    kwargs = {"beam_size": k, "alpha": alpha, "max_len_a": a, "max_len_b": b, "min_len": min_len}
-    result, steps = decoder_steps(model, lambda: beam_search_fn(model, src, **kwargs))
+    search = SearchConfig(beam_size=k, alpha=alpha, max_len_a=a, max_len_b=b)
+    result, steps = decoder_steps(model, lambda: beam_search_fn(model, src, search, min_len))
     references = [reference_beam_search(model, row, k, alpha, a, b, min_len) for row in src]
     for row, ref in enumerate(references):
         assert result.tokens[row] == ref.tokens, f"sentence {row}"

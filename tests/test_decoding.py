@@ -15,13 +15,12 @@ import torch.nn.functional as F
 from conftest import sources, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformer.config import ModelConfig
+from transformer.config import ModelConfig, SearchConfig
 from transformer.decoding import (
     BeamSearch,
     DecoderCache,
     beam_search,
     best_next_tokens,
-    greedy_search,
     length_penalty,
     scoring,
     search_weights,
@@ -119,15 +118,39 @@ def test_length_penalty_is_the_gnmt_formula():
     assert length_penalty(1, 0.6) == 1.0  # a lone EOS is not penalised
 
 
+def greedy_reference(model: Transformer, src: torch.Tensor, max_len: int) -> tuple[list[int], float]:
+    """Greedy search written out for one source (1, S): the full decoder run on the whole prefix at every
+    step, its most probable next token (never PAD or BOS) appended until EOS or `max_len` tokens; the
+    tokens (EOS not included) and their summed log-probability."""
+    tokens, total = [], 0.0
+    with torch.no_grad():
+        memory = model.encode(src, model.src_mask(src))
+        while len(tokens) < max_len:
+            prefix = torch.tensor([[BOS_ID, *tokens]])
+            log_probs = model.project(model.decode(prefix, memory, model.src_mask(src))[:, -1]).double()
+            log_probs = log_probs.log_softmax(-1)[0]
+            log_probs[[PAD_ID, BOS_ID]] = -math.inf
+            token = int(log_probs.argmax())
+            total += float(log_probs[token])
+            if token == EOS_ID:
+                break
+            tokens.append(token)
+    return tokens, total
+
+
 @BEAM_SEARCHES
-def test_beam_of_one_without_length_penalty_is_greedy(beam_search_fn):
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_a_beam_of_one_is_greedy_search_without_length_penalty(beam_search_fn, alpha):
+    """beam_size=1 is the most probable next token at every step, scored by log P(Y|X) whatever alpha."""
     model = tiny_model()
     src = sources([3, 7, 5, 1, 9], 24)
-    greedy = greedy_search(model, src, max_len_a=1.0, max_len_b=6)
-    beam = beam_search_fn(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=6)
-    assert beam.tokens == greedy.tokens
-    torch.testing.assert_close(beam.scores, greedy.scores)
-    assert any(len(t) > 0 for t in greedy.tokens)
+    beam = beam_search_fn(model, src, SearchConfig(beam_size=1, alpha=alpha, max_len_a=1.0, max_len_b=6))
+    for row in range(src.size(0)):
+        one = src[row : row + 1, : int((src[row] != PAD_ID).sum())]
+        tokens, log_prob = greedy_reference(model, one, one.size(1) + 6)
+        assert beam.tokens[row] == tokens
+        assert float(beam.scores[row]) == pytest.approx(log_prob, abs=1e-5)
+    assert any(len(t) > 0 for t in beam.tokens)
 
 
 @BEAM_SEARCHES
@@ -138,8 +161,18 @@ def test_each_score_is_that_of_its_tokens_by_teacher_forcing(beam_search_fn, alp
     model = tiny_model()
     src = sources([4, 8, 2, 6], 24)
     searches = (
-        (alpha, lambda: beam_search_fn(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5)),
-        (0.0, lambda: beam_search_fn(model, src, beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=5)),
+        (
+            alpha,
+            lambda: beam_search_fn(
+                model, src, SearchConfig(beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=5)
+            ),
+        ),
+        (
+            0.0,
+            lambda: beam_search_fn(
+                model, src, SearchConfig(beam_size=1, alpha=0.0, max_len_a=1.0, max_len_b=5)
+            ),
+        ),
     )
     for penalty, run in searches:
         result = run()
@@ -183,7 +216,9 @@ def test_wide_beam_finds_the_exhaustive_optimum(max_len, alpha, beam_search_fn):
     model = tiny_model(vocab=vocab, seed=7)
     src = sources([2, 5, 3, 4], vocab, seed=4)
     width = 3 ** (max_len - 1) * 4
-    result = beam_search_fn(model, src, beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len)
+    result = beam_search_fn(
+        model, src, SearchConfig(beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len)
+    )
     optimum = brute_force(model, src, max_len, alpha)
     assert len({tuple(tokens) for _, tokens in optimum}) > 1  # the sentences' optima differ
     for row, (score, tokens) in enumerate(optimum):
@@ -197,35 +232,36 @@ def test_a_batch_decodes_like_its_sentences_one_by_one(beam_search_fn):
     nothing."""
     model = tiny_model(seed=5)
     src = sources([9, 2, 5, 1, 7, 3], 24, seed=6)
-    batch = beam_search_fn(model, src, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
+    batch = beam_search_fn(model, src, SearchConfig(beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4))
     lengths = set()
     for row in range(src.size(0)):
         one = src[row : row + 1, : int((src[row] != PAD_ID).sum())]
-        alone = beam_search_fn(model, one, beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4)
+        alone = beam_search_fn(model, one, SearchConfig(beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=4))
         assert alone.tokens[0] == batch.tokens[row]
         assert float(alone.scores[0]) == pytest.approx(float(batch.scores[row]), abs=1e-5)
         lengths.add(len(alone.tokens[0]))
     assert len(lengths) > 1  # sentences finished at different steps
 
 
-@pytest.mark.parametrize("search", [greedy_search, beam_search, static_beam_search])
-def test_a_source_row_of_padding_only_is_refused_before_encoding(search, monkeypatch):
+@pytest.mark.parametrize("search", [beam_search, static_beam_search])
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_source_row_of_padding_only_is_refused_before_encoding(search, beam, monkeypatch):
     """Such a row has no key to attend to: its states would be NaN and its output garbage."""
     model = tiny_model(seed=2)
     src = sources([3, 2], 24)
     src[1] = PAD_ID
     monkeypatch.setattr(model, "encode", lambda *args: pytest.fail("encoded a batch it should refuse"))
     with pytest.raises(ValueError, match="all padding"):
-        search(model, src)
+        search(model, src, SearchConfig(beam_size=beam))
 
 
 def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
     model = tiny_model(seed=7)
     src = sources([2, 6], 24)  # 3 and 7 source tokens with EOS
     for search in (
-        lambda: beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=3, min_len=50),
-        lambda: static_beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=3, min_len=50),
-        lambda: greedy_search(model, src, max_len_b=3, min_len=50),
+        lambda: beam_search(model, src, SearchConfig(beam_size=4, alpha=0.6, max_len_b=3), min_len=50),
+        lambda: static_beam_search(model, src, SearchConfig(beam_size=4, alpha=0.6, max_len_b=3), min_len=50),
+        lambda: beam_search(model, src, SearchConfig(beam_size=1, max_len_b=3), min_len=50),
     ):
         result = search()
         assert [len(t) for t in result.tokens] == [3 + 3, 7 + 3]
@@ -252,9 +288,9 @@ def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, 
     torch.testing.assert_close(got_values, values.float(), rtol=1e-6, atol=1e-6)
     monkeypatch.setattr(scoring, "VOCAB_CHUNK", 8192)
     src = sources([3, 7, 5], 40)
-    whole = beam_search(model, src, beam_size=3, max_len_b=6)
+    whole = beam_search(model, src, SearchConfig(beam_size=3, max_len_b=6))
     monkeypatch.setattr(scoring, "VOCAB_CHUNK", chunk)
-    chunked = beam_search(model, src, beam_size=3, max_len_b=6)
+    chunked = beam_search(model, src, SearchConfig(beam_size=3, max_len_b=6))
     assert chunked.tokens == whole.tokens
     torch.testing.assert_close(chunked.scores, whole.scores, rtol=1e-6, atol=1e-6)
 
@@ -264,18 +300,20 @@ def test_float32_search_with_the_cpu_kernels_and_packed_weights_equals_the_plain
     decodes exactly as the plain modules do."""
     model = tiny_model(seed=5, dtype=torch.float32)
     src = sources([9, 2, 5, 1], 24, seed=6)
-    plain = beam_search(model, src, beam_size=3, alpha=0.6, max_len_b=6)
+    plain = beam_search(model, src, SearchConfig(beam_size=3, alpha=0.6, max_len_b=6))
     kernels = Kernels.choose(torch.device("cpu"), "on")
     fast_model = kernels.apply(model)
     with kernels.products.prepacked(search_weights(fast_model)):
-        fast = beam_search(fast_model, src, beam_size=3, alpha=0.6, max_len_b=6, linear=kernels.products)
+        fast = beam_search(
+            fast_model, src, SearchConfig(beam_size=3, alpha=0.6, max_len_b=6), linear=kernels.products
+        )
     assert fast.tokens == plain.tokens and len({len(t) for t in fast.tokens}) > 1
     torch.testing.assert_close(fast.scores, plain.scores, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_model_gives_float32_scores():
     model = tiny_model(dtype=torch.bfloat16)
-    result = beam_search(model, sources([3, 5], 24), beam_size=4, alpha=0.6, max_len_b=4)
+    result = beam_search(model, sources([3, 5], 24), SearchConfig(beam_size=4, alpha=0.6, max_len_b=4))
     assert result.scores.dtype == torch.float32
     assert torch.isfinite(result.scores).all()
 
@@ -286,8 +324,10 @@ def test_cuda_bfloat16_decoding_runs_and_mostly_agrees_with_cpu():
         pytest.skip("needs a CUDA device")
     model = tiny_model(dtype=torch.float32)
     src = sources([3, 8, 5, 6], 24)
-    cpu = beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=5)
-    gpu = beam_search(model.cuda().to(torch.bfloat16), src.cuda(), beam_size=4, alpha=0.6, max_len_b=5)
+    cpu = beam_search(model, src, SearchConfig(beam_size=4, alpha=0.6, max_len_b=5))
+    gpu = beam_search(
+        model.cuda().to(torch.bfloat16), src.cuda(), SearchConfig(beam_size=4, alpha=0.6, max_len_b=5)
+    )
     assert gpu.scores.dtype == torch.float32 and len(gpu.tokens) == len(cpu.tokens)
     # bf16 activations move a score by a few percent (on a CPU, bf16 against float32: up to 2.6% here),
     # and may flip a close choice: compare the scores of the outputs that agree
@@ -310,8 +350,11 @@ def test_static_search_chooses_as_the_dynamic_one(seed):
         (3, 0.6, 1.0, 9, 0),
     ]:
         src = sources(torch.randint(1, 9, (7,), generator=g).tolist(), 24, seed=seed + beam)
-        kwargs = {"beam_size": beam, "alpha": alpha, "max_len_a": a, "max_len_b": b, "min_len": min_len}
-        dynamic, static = beam_search(model, src, **kwargs), static_beam_search(model, src, **kwargs)
+        search = SearchConfig(beam_size=beam, alpha=alpha, max_len_a=a, max_len_b=b)
+        dynamic, static = (
+            beam_search(model, src, search, min_len),
+            static_beam_search(model, src, search, min_len),
+        )
         assert static.tokens == dynamic.tokens
         torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-6, atol=1e-6)
         lengths |= {len(t) for t in static.tokens}
@@ -325,8 +368,8 @@ def test_static_search_under_autocast_chooses_as_the_dynamic_one():
     model = tiny_model(dtype=torch.float32, seed=1)
     src = sources([3, 5, 7, 2], 24, seed=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        dynamic = beam_search(model, src, beam_size=4, max_len_b=6)
-        static = static_beam_search(model, src, beam_size=4, max_len_b=6)
+        dynamic = beam_search(model, src, SearchConfig(beam_size=4, max_len_b=6))
+        static = static_beam_search(model, src, SearchConfig(beam_size=4, max_len_b=6))
     same = sum(s == d for s, d in zip(static.tokens, dynamic.tokens))
     assert same >= 3 and len({tuple(t) for t in static.tokens}) > 1
     torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-2, atol=2e-2)
@@ -342,8 +385,8 @@ def test_static_search_chooses_as_the_dynamic_one_in_every_model_variant(variant
         for p in model.parameters():
             p.mul_(3.0)  # contexts matter (see tiny_model)
     src = sources([8, 3, 6, 5], 50, seed=3)
-    kwargs = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 6}
-    dynamic, static = beam_search(model, src, **kwargs), static_beam_search(model, src, **kwargs)
+    search = SearchConfig(beam_size=4, alpha=0.6, max_len_a=1.0, max_len_b=6)
+    dynamic, static = beam_search(model, src, search), static_beam_search(model, src, search)
     assert static.tokens == dynamic.tokens and len({tuple(t) for t in static.tokens}) > 1
     torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-5, atol=1e-5)
 
@@ -354,8 +397,8 @@ def test_a_finished_sentence_stays_finished_while_the_batch_decodes_on():
     the batch; their results must stay final (as in `beam_search`, where they leave it)."""
     model = tiny_model(seed=2)
     src = sources([2, 25, 1], 24, seed=2)  # limits |X| + 1: 4, 27, 3
-    kwargs = {"beam_size": 3, "alpha": 2.0, "max_len_a": 1.0, "max_len_b": 1}
-    dynamic, static = beam_search(model, src, **kwargs), static_beam_search(model, src, **kwargs)
+    search = SearchConfig(beam_size=3, alpha=2.0, max_len_a=1.0, max_len_b=1)
+    dynamic, static = beam_search(model, src, search), static_beam_search(model, src, search)
     assert static.tokens == dynamic.tokens
     torch.testing.assert_close(static.scores, dynamic.scores, rtol=1e-6, atol=1e-6)
     assert all(len(tokens) <= limit for tokens, limit in zip(static.tokens, [4, 27, 3]))
@@ -401,7 +444,8 @@ def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory():
     by op) reads no device value, and every tensor of the search's state stays where it was, except the
     self-attention cache, which swaps between two pairs of buffers (two graphs, replayed in turn)."""
     model = tiny_model(seed=2)
-    search = BeamSearch(model, sources([4, 7, 2], 24), 3, 0.6, (1.0, 5), 5, True, F.linear)
+    settings = SearchConfig(beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=5)
+    search = BeamSearch(model, sources([4, 7, 2], 24), settings, True, F.linear, min_len=5)
 
     def layout() -> list[tuple]:
         return [(t.data_ptr(), tuple(t.shape), t.stride()) for t in state_tensors(search)]
@@ -416,7 +460,7 @@ def test_a_static_step_reads_nothing_on_the_host_and_keeps_its_memory():
     assert layouts[1] != layouts[2] and sorted(layouts[1]) == sorted(layouts[2])  # buffers trade places
     while not search.done():  # the rest of the search: the result of beam_search
         search.step()
-    static = beam_search(model, sources([4, 7, 2], 24), 3, 0.6, 1.0, 5, min_len=5, static=True)
+    static = beam_search(model, sources([4, 7, 2], 24), settings, min_len=5, static=True)
     assert search.result().tokens == static.tokens and len(static.tokens[1]) > 5
     # the mode does catch a host read
     with pytest.raises(AssertionError, match="_local_scalar_dense"), _NoHostValues():
@@ -429,13 +473,13 @@ def test_cuda_graph_replays_decode_like_the_eager_static_and_dynamic_searches():
         pytest.skip("needs a CUDA device")
     model = tiny_model(dtype=torch.float32).cuda()
     src = sources([3, 8, 5, 6, 1, 7], 24).cuda()
-    kwargs = {"beam_size": 4, "alpha": 0.6, "max_len_b": 5}
-    graphed = static_beam_search(model, src, graphs=True, **kwargs)
-    eager = static_beam_search(model, src, graphs=False, **kwargs)
+    search = SearchConfig(beam_size=4, alpha=0.6, max_len_b=5)
+    graphed = static_beam_search(model, src, search, graphs=True)
+    eager = static_beam_search(model, src, search, graphs=False)
     assert graphed.tokens == eager.tokens
     torch.testing.assert_close(graphed.scores, eager.scores)
-    dynamic = beam_search(model, src, **kwargs)
+    dynamic = beam_search(model, src, search)
     assert graphed.tokens == dynamic.tokens
     torch.testing.assert_close(graphed.scores, dynamic.scores.cpu(), rtol=1e-4, atol=1e-4)
-    half = static_beam_search(model.to(torch.bfloat16), src, **kwargs)  # as translate.py runs on CUDA
+    half = static_beam_search(model.to(torch.bfloat16), src, search)  # as translate.py runs on CUDA
     assert half.scores.dtype == torch.float32 and torch.isfinite(half.scores).all()

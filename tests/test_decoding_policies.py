@@ -8,12 +8,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import sources, tiny_model
 
-from transformer.decoding import Ensemble, Sampling, beam_search
+from transformer.config import ConfigError, SearchConfig
+from transformer.decoding import Ensemble, beam_search
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -54,7 +56,9 @@ def test_a_wide_beams_n_best_list_is_the_exhaustive_ranking(search, alpha):
     model = tiny_model(vocab=vocab, seed=7)
     src = sources([2, 5, 3], vocab, seed=4)
     width = 3 ** (max_len - 1) * 4
-    result = search(model, src, beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len, nbest=n)
+    result = search(
+        model, src, SearchConfig(beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len, nbest=n)
+    )
     for row in range(src.size(0)):
         expected = ranked_outputs([model], [1.0], src[row], max_len, alpha)[:n]
         got = result.hypotheses[row]
@@ -73,8 +77,8 @@ def test_a_wide_beams_n_best_list_is_the_exhaustive_ranking(search, alpha):
 def test_the_n_best_lists_first_hypothesis_is_the_one_best_search(search):
     model = tiny_model(seed=3)
     src = sources([4, 8, 2, 6, 3], 24, seed=2)
-    one = search(model, src, beam_size=4, alpha=0.6, max_len_b=6)
-    four = search(model, src, beam_size=4, alpha=0.6, max_len_b=6, nbest=4)
+    one = search(model, src, SearchConfig(beam_size=4, alpha=0.6, max_len_b=6))
+    four = search(model, src, SearchConfig(beam_size=4, alpha=0.6, max_len_b=6, nbest=4))
     assert four.tokens == one.tokens
     torch.testing.assert_close(four.scores, one.scores)
     for hypotheses in four.hypotheses:
@@ -91,8 +95,13 @@ def test_an_ensembles_wide_beam_finds_the_optimum_of_the_mixed_probabilities(sea
     src = sources([2, 5, 3], vocab, seed=4)
     width = 3 ** (max_len - 1) * 4
     ensemble = Ensemble(models, weights)
-    result = search(ensemble, src, beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len, nbest=2)
-    alone = [search(m, src, beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len) for m in models]
+    result = search(
+        ensemble, src, SearchConfig(beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len, nbest=2)
+    )
+    alone = [
+        search(m, src, SearchConfig(beam_size=width, alpha=alpha, max_len_a=0.0, max_len_b=max_len))
+        for m in models
+    ]
     assert result.tokens != alone[0].tokens or result.tokens != alone[1].tokens  # the mixture decides
     for row in range(src.size(0)):
         expected = ranked_outputs(models, weights, src[row], max_len, alpha)[:2]
@@ -103,14 +112,14 @@ def test_an_ensembles_wide_beam_finds_the_optimum_of_the_mixed_probabilities(sea
 def test_an_ensemble_of_one_model_or_of_the_same_model_twice_is_that_model():
     model = tiny_model(seed=5)
     src = sources([4, 8, 2, 6], 24, seed=6)
-    plain = beam_search(model, src, beam_size=4, max_len_b=6)
+    plain = beam_search(model, src, SearchConfig(beam_size=4, max_len_b=6))
     for ensemble in (Ensemble([model], [1.0]), Ensemble([model, model], [2.0, 1.0])):
-        mixed = beam_search(ensemble, src, beam_size=4, max_len_b=6)
+        mixed = beam_search(ensemble, src, SearchConfig(beam_size=4, max_len_b=6))
         assert mixed.tokens == plain.tokens
         torch.testing.assert_close(mixed.scores, plain.scores, rtol=1e-5, atol=1e-5)
 
 
-def narrowed(log_probs: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+def narrowed(log_probs: torch.Tensor, sampling: SearchConfig) -> torch.Tensor:
     """The distribution sampling draws from, written out: softmax(log_probs / T), its top-k, then the
     most probable tokens until their mass reaches top-p, renormalized."""
     probs = (log_probs / sampling.temperature).softmax(-1).double()
@@ -127,20 +136,22 @@ def narrowed(log_probs: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "sampling",
-    [Sampling(), Sampling(temperature=0.5), Sampling(topk=3), Sampling(topp=0.6), Sampling(topk=5, topp=0.8)],
+    "shape",
+    [{}, {"temperature": 0.5}, {"topk": 3}, {"topp": 0.6}, {"topk": 5, "topp": 0.8}],
     ids=["plain", "temperature", "topk", "topp", "both"],
 )
-def test_samples_follow_the_models_distribution(sampling):
-    """4,000 one-token samples of one sentence: the frequency of each first token against the
-    narrowed distribution of the model's (a chi-square test at the 1e-4 level), tokens outside it
-    never drawn."""
-    vocab, n = 12, 4000
+def test_samples_follow_the_models_distribution(shape):
+    """4,000 one-token samples of one sentence (1,000 for each of 4 copies of it, drawn apart by their
+    line numbers): the frequency of each first token against the narrowed distribution of the model's (a
+    chi-square test at the 1e-4 level), tokens outside it never drawn."""
+    vocab, n, copies = 12, 1000, 4
     model = tiny_model(vocab=vocab, seed=3)
     src = sources([5], vocab, seed=1)
-    result = beam_search(model, src, beam_size=n, alpha=0.0, max_len_a=0.0, max_len_b=1, sampling=sampling)
-    first = [h.tokens[0] if h.tokens else EOS_ID for h in result.hypotheses[0]]
-    assert len(first) == n
+    sampling = SearchConfig(sampling=True, nbest=n, max_len_a=0.0, max_len_b=1, **shape)
+    result = beam_search(model, src.expand(copies, -1), sampling)
+    first = [h.tokens[0] if h.tokens else EOS_ID for hypotheses in result.hypotheses for h in hypotheses]
+    assert len(first) == n * copies
+    n *= copies
     with torch.no_grad():
         log_probs = model(src, torch.tensor([[BOS_ID]]))[0, 0].log_softmax(-1)
     log_probs[[PAD_ID, BOS_ID]] = float("-inf")
@@ -162,20 +173,17 @@ def test_samples_follow_the_models_distribution(sampling):
 def test_the_same_seed_samples_the_same_whatever_the_batches(static):
     model = tiny_model(seed=4)
     src = sources([4, 8, 2, 6, 3], 24, seed=2)
-    sampling = Sampling(topk=10, temperature=1.5, seed=11)
-    kwargs = dict(beam_size=3, alpha=0.0, max_len_b=8, sampling=sampling, static=static)
-    together = beam_search(model, src, **kwargs)
+    sampling = SearchConfig(sampling=True, nbest=3, topk=10, temperature=1.5, seed=11, max_len_b=8)
+    together = beam_search(model, src, sampling, static=static)
     for row in range(src.size(0)):
         one = src[row : row + 1, : int((src[row] != PAD_ID).sum())]
-        alone = beam_search(model, one, sentence_ids=torch.tensor([row]), **kwargs)
+        alone = beam_search(model, one, sampling, static=static, sentence_ids=torch.tensor([row]))
         assert [h.tokens for h in alone.hypotheses[0]] == [h.tokens for h in together.hypotheses[row]]
-    other_seed = beam_search(
-        model, src, **{**kwargs, "sampling": Sampling(topk=10, temperature=1.5, seed=12)}
-    )
+    other_seed = beam_search(model, src, replace(sampling, seed=12), static=static)
     assert [h.tokens for h in other_seed.hypotheses[0]] != [h.tokens for h in together.hypotheses[0]]
     assert len({tuple(h.tokens) for hs in together.hypotheses for h in hs}) > 5  # samples differ
 
 
 def test_nbest_beyond_the_beam_is_refused():
-    with pytest.raises(ValueError, match="nbest=5 must be between 1 and the beam size 4"):
-        beam_search(tiny_model(), sources([3], 24), beam_size=4, nbest=5)
+    with pytest.raises(ConfigError, match="nbest=5 must be at most beam_size=4"):
+        beam_search(tiny_model(), sources([3], 24), SearchConfig(beam_size=4, nbest=5))

@@ -14,16 +14,18 @@ import torch
 from conftest import make_tiny_checkpoint
 
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, write_checkpoint
-from transformer.config import ConfigError, ModelConfig, ToyConfig, TranslateConfig
+from transformer.config import ConfigError, ModelConfig, SearchConfig, ToyConfig, TranslateConfig
 from transformer.data import toy
 from transformer.data.tokenizer import Tokenizer
-from transformer.decoding import greedy_search
+from transformer.decoding import beam_search
 from transformer.export.ctranslate2 import export_ctranslate2
 from transformer.export.huggingface import export_huggingface
 from transformer.inference.translation import Translator
 from transformer.vocab import EOS_ID, PAD_ID
 
 ROOT = Path(__file__).resolve().parents[1]
+GREEDY_20 = SearchConfig(beam_size=1, max_len_b=20)
+GREEDY_60 = SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=60)  # as CTranslate2 caps outputs
 SOURCES = ["The cat sees the house.", "A dog likes a red ball.", "My friend finds the old tree.", "Ein Hund."]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,7 +75,7 @@ def test_huggingface_export_translates_a_sentence_as_this_model(checkpoint, tmp_
     export_huggingface(model_from_checkpoint(ckpt), ckpt["spm_model"], tmp_path / "hf")
     tokenizer = Tokenizer.from_bytes(ckpt["spm_model"])
     src = torch.tensor([tokenizer.encode(SOURCES[1]) + [EOS_ID]])
-    ours = greedy_search(model_from_checkpoint(ckpt), src, max_len_b=20).tokens[0]
+    ours = beam_search(model_from_checkpoint(ckpt), src, GREEDY_20).tokens[0]
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     expected = hf_tokenizer.decode(ours, skip_special_tokens=True)
     limit = {"num_beams": 1, "max_new_tokens": src.size(1) + 20}
@@ -136,9 +138,7 @@ def test_ctranslate2_export_decodes_as_this_model(checkpoint, tmp_path, quantiza
     )
     theirs = [[tokenizer.piece_id(p) for p in r.hypotheses[0]] for r in results]
     model = model_from_checkpoint(ckpt)
-    ours = [
-        greedy_search(model, torch.tensor([i + [EOS_ID]]), max_len_a=0.0, max_len_b=60).tokens[0] for i in ids
-    ]
+    ours = [beam_search(model, torch.tensor([i + [EOS_ID]]), GREEDY_60).tokens[0] for i in ids]
     if quantization is None:
         assert theirs == ours and len({len(t) for t in ours}) > 1  # outputs that end at different steps
     else:  # weights stored in 8 bits (the embedding too): a smaller file that translates every line

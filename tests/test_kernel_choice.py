@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer.kernels as kernels_module
 from transformer.checkpoint import checkpoint_dir, load_checkpoint
-from transformer.config import ConfigError
+from transformer.config import ConfigError, SearchConfig
 from transformer.decoding import beam_search, search_weights
 from transformer.inference.translation import Translator
 from transformer.kernels import Kernels
@@ -57,14 +57,14 @@ def test_every_choice_computes_the_same_model(isa):
     of them and none: the same to float32 rounding."""
     model = tiny_model(seed=5, dtype=torch.float32)
     src, tgt = sources([9, 2, 5, 1], 24, seed=6), sources([4, 6, 3, 2], 24, seed=7)
-    plain_logits, plain = model(src, tgt), beam_search(model, src, beam_size=3, max_len_b=6)
+    plain_logits, plain = model(src, tgt), beam_search(model, src, SearchConfig(beam_size=3, max_len_b=6))
     for kernels in (Kernels.choose(CPU, "auto", ISAS[isa]), Kernels.choose(CPU, "on"), Kernels()):
         fast = kernels.apply(model)
         torch.testing.assert_close(fast(src, tgt), plain_logits, rtol=1e-5, atol=1e-5)
         with torch.no_grad():  # at inference short attention is written out whatever the heads' width
             torch.testing.assert_close(fast(src, tgt), plain_logits, rtol=1e-5, atol=1e-5)
         with kernels.products.prepacked(search_weights(fast)):
-            found = beam_search(fast, src, beam_size=3, max_len_b=6, linear=kernels.products)
+            found = beam_search(fast, src, SearchConfig(beam_size=3, max_len_b=6), linear=kernels.products)
         assert found.tokens == plain.tokens
         torch.testing.assert_close(found.scores, plain.scores, rtol=1e-5, atol=1e-5)
 

@@ -182,8 +182,8 @@ def test_an_even_load_scores_one_and_the_objective_adds_the_weighted_sum_over_la
     [
         ({"moe_experts": 1}, "model.moe_experts=1 must be 0 (dense) or at least 2"),
         ({"moe_experts": 4, "moe_top_k": 5}, "model.moe_top_k=5 must be between 1 and model.moe_experts=4"),
-        ({"moe_experts": 4, "moe_capacity": 0}, "model.moe_capacity=0 must be positive"),
-        ({"moe_experts": 4, "moe_aux_loss": -1}, "model.moe_aux_loss=-1 must be >= 0"),
+        ({"moe_experts": 4, "moe_capacity": 0}, "model.moe_capacity=0.0 must be positive"),
+        ({"moe_experts": 4, "moe_aux_loss": -1}, "model.moe_aux_loss=-1.0 must be >= 0"),
     ],
 )
 def test_bad_mixture_settings_are_named(override, message):

@@ -19,14 +19,15 @@ from transformer.checkpoint import (
     model_from_checkpoint,
     write_checkpoint,
 )
-from transformer.config import DecodeConfig, TrainConfig, from_dict
+from transformer.config import DecodeConfig, SearchConfig, TrainConfig, from_dict
 from transformer.data.tokenizer import Tokenizer
-from transformer.decoding import greedy_search
+from transformer.decoding import beam_search
 from transformer.inference.translation import Translator
 from transformer.training import train
 from transformer.vocab import EOS_ID
 
 ROOT = Path(__file__).resolve().parents[1]
+GREEDY_60 = SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=60)
 OLD = ROOT / "tests" / "data" / "checkpoint_2b99159.pt"
 EXPECTED = json.loads((ROOT / "tests" / "data" / "checkpoint_2b99159.json").read_text(encoding="utf-8"))
 
@@ -128,9 +129,7 @@ def test_it_exports_to_ctranslate2_and_decodes_as_this_model(tmp_path):
     )
     theirs = [[tokenizer.piece_id(p) for p in r.hypotheses[0]] for r in results]
     model = model_from_checkpoint(ckpt)
-    ours = [
-        greedy_search(model, torch.tensor([i + [EOS_ID]]), max_len_a=0.0, max_len_b=60).tokens[0] for i in ids
-    ]
+    ours = [beam_search(model, torch.tensor([i + [EOS_ID]]), GREEDY_60).tokens[0] for i in ids]
     assert theirs == ours
 
 

@@ -19,7 +19,7 @@ import torch
 from test_translate_cli import translate
 
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, write_checkpoint
-from transformer.config import ConfigError, TranslateConfig
+from transformer.config import ConfigError, SearchConfig, TranslateConfig
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import length_penalty
 from transformer.inference.translation import Translator
@@ -259,7 +259,10 @@ def test_an_ensemble_takes_the_positions_of_its_shortest_member(trained, tmp_pat
         ({"nbest": 5, "output_format": "jsonl"}, "nbest=5 must be at most beam_size=4"),
         ({"topk": 5}, "topk, topp and temperature shape sampling: add sampling=true"),
         ({"sampling": True, "topp": 0.0}, "topp=0.0 must be in (0, 1]"),
-        ({"sampling": True, "temperature": 0.0}, "temperature=0.0 must be positive"),
+        ({"sampling": True, "temperature": 0.0}, "temperature=0.0 must be in [0.01, 100.0]"),
+        ({"alpha": 50}, "alpha=50.0 must be in [0, 10.0]"),
+        ({"alpha": float("inf")}, "alpha=inf must be a finite number"),
+        ({"beam_size": "4"}, "beam_size='4' must be a whole number"),
         ({"output_format": "xml"}, "output_format='xml' must be one of 'text', 'fairseq' or 'jsonl'"),
         ({"buffer_size": 0}, "buffer_size=0 must be at least 1"),
         (
@@ -289,3 +292,29 @@ def test_the_python_api_takes_a_path_and_options(trained):
     started = time.perf_counter()
     assert Translator.from_checkpoint(trained, device="cpu").cfg.beam_size == 4  # the defaults
     assert time.perf_counter() - started < 60
+    with pytest.raises(ConfigError, match="alpha=50.0 must be in"):  # the same checks as the CLI's
+        Translator.from_checkpoint(trained, alpha=50)
+
+
+def test_one_line_as_a_string_is_one_line_and_a_search_per_call_overrides_the_settings(trained):
+    """translate("a sentence") translates the sentence, not each of its characters; every method takes
+    the search of one call (a server request's) over the translator's own."""
+    translator = Translator.from_checkpoint(trained, device="cpu")
+    line = LINES[0]
+    assert translator.translate(line) == translator.translate([line])[0] != ""
+    assert translator.translate_nbest(line)[0].text == translator.translate(line)
+    assert translator.score(line, "x").log_prob == translator.score([line], ["x"])[0].log_prob
+    with pytest.raises(TypeError, match="lines must be a list of strings"):
+        translator.translate([line, 3])
+    wide = SearchConfig(beam_size=5, nbest=3)
+    per_call = translator.translate_nbest([line], search=wide)[0]
+    assert len(per_call) == 3 and translator.cfg.nbest == 1
+    assert [t.text for t in per_call] == [
+        t.text
+        for t in Translator.from_checkpoint(trained, device="cpu", beam_size=5, nbest=3).translate_nbest(line)
+    ]
+
+
+def test_a_length_penalty_out_of_range_is_one_line_before_the_checkpoint_loads(tmp_path):
+    done = translate("checkpoint=missing.pt", "alpha=50", stdin=b"a\n")
+    assert done.returncode == 2 and done.stderr.decode().strip() == "error: alpha=50.0 must be in [0, 10.0]"

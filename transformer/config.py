@@ -6,9 +6,10 @@ configs/ hold only what differs from them (a model size, a corpus, a recipe), an
 register `defaults(...)` with Hydra as the base of their configs (one line each). The package never
 imports Hydra: the apps compose YAML with it and hand plain dicts to `from_dict`.
 
-Every check runs in `__post_init__` and names the setting as the command line spells it
-(`trainer.max_steps=0 must be positive`); a list of allowed values always reads "must be one of
-'a', 'b' or 'c'".
+Every setting is typed and checked on construction, from the command line, a YAML file or Python
+alike (`Settings.__post_init__`, then each class's `check`), and a mistake names the setting as the
+command line spells it (`trainer.max_steps=0 must be positive`); a list of allowed values always reads
+"must be one of 'a', 'b' or 'c'".
 """
 
 from __future__ import annotations
@@ -33,12 +34,20 @@ def one_of(values: tuple[str | None, ...]) -> str:
 
 class Settings:
     """The base of every config dataclass: `PREFIX` is how the command line reaches its keys
-    ("trainer.", "" for a decoding app's own keys); subclasses check their fields in `__post_init__`
-    and call super()'s."""
+    ("trainer.", "" for a decoding app's own keys). Each value is first typed as its field is (a typo
+    such as trainer.max_steps=abc, or beam_size="4" from Python, fails here); then subclasses check
+    their fields in `check` and call super()'s."""
 
     PREFIX: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            if not dataclasses.is_dataclass(hints[f.name]):  # a nested config comes typed
+                setattr(self, f.name, _typed(hints[f.name], getattr(self, f.name), self.PREFIX + f.name))
+        self.check()
+
+    def check(self) -> None:
         pass
 
     def require(self, condition: bool, key: str, requirement: str) -> None:
@@ -64,6 +73,8 @@ TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
 EXPORT_FORMATS = ("ctranslate2", "huggingface")
 MAX_BEAM = 1024  # hypotheses (or samples) per sentence at most: beam_size, nbest
+MAX_ALPHA = 10.0  # the length penalty's exponent at most: lp(1024 tokens) stays a float32 number
+TEMPERATURES = (0.01, 100.0)  # sampling's temperature: logits / temperature stay float32 numbers
 OUTPUT_FORMATS = ("text", "fairseq", "jsonl")  # translate.py (transformer/formats.py)
 ROLES = ("train", "valid", "test")
 
@@ -97,7 +108,7 @@ class ModelConfig(Settings):
     moe_capacity: float = 1.25  # in training, each expert takes at most capacity * tokens * top_k / experts
     moe_aux_loss: float = 0.01  # weight of the load-balancing loss in the training objective
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.require_positive("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_positions")
         if self.d_k is None or self.d_v is None:
             self.require(
@@ -129,7 +140,7 @@ class ModelConfig(Settings):
             )
             self.require_positive("moe_capacity")
             self.require(self.moe_aux_loss >= 0, "moe_aux_loss", "must be >= 0")
-        super().__post_init__()
+        super().check()
 
 
 @dataclass
@@ -143,9 +154,9 @@ class ToyConfig(Settings):
     n_test: int = 1000
     seed: int = 1234
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.require_positive("n_train", "n_valid", "n_test")
-        super().__post_init__()
+        super().check()
 
 
 @dataclass
@@ -179,7 +190,7 @@ class DataConfig(Settings):
     force: bool = False
     toy: ToyConfig = field(default_factory=ToyConfig)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.require_choice("source", ("hf", "local", "toy"))
         self.require(self.src_lang != self.tgt_lang, "src_lang", "is data.tgt_lang too")
         for key in ("splits", "local_splits"):
@@ -207,7 +218,7 @@ class DataConfig(Settings):
                 "hf_dataset",
                 "is needed with data.source=hf, or data.path=<saved dataset>",
             )
-        super().__post_init__()
+        super().check()
 
 
 @dataclass
@@ -225,12 +236,12 @@ class OptimConfig(Settings):
     label_smoothing: float = 0.1  # eps_ls
     clip_grad_norm: float = 0.0  # 0 = no clipping (the paper clips nothing)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.require_positive("lr_scale", "warmup_steps", "eps")
         for key in ("beta1", "beta2", "label_smoothing"):
             self.require(0.0 <= getattr(self, key) < 1.0, key, "must be in [0, 1)")
         self.require(self.clip_grad_norm >= 0, "clip_grad_norm", "must be >= 0 (0 disables clipping)")
-        super().__post_init__()
+        super().check()
 
 
 @dataclass
@@ -243,39 +254,93 @@ class DeviceConfig(Settings):
     # was trained) | "on" | "off" (plain PyTorch)
     cpu_kernels: str = "auto"
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.require(
             self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", f"must be {DEVICES}"
         )
         self.require_choice("cpu_kernels", ("auto", "on", "off"))
         self.require(self.threads is None or self.threads >= 1, "threads", "must be at least 1")
-        super().__post_init__()
+        super().check()
 
 
 @dataclass
 class SearchConfig(Settings):
-    """How to search (§6.1): beam 4, length penalty alpha 0.6, maximum output = input + 50; decoding's
-    and the finish stage's (`finish.*`) settings."""
+    """How to search (§6.1): beam 4, length penalty alpha 0.6, at most input length + 50 tokens; or the
+    n best of the beam, or samples. The one object that carries decoding settings from every entry point
+    (translate.py, evaluate.py, a request to serve.py, `Translator`, training's valid BLEU and the finish
+    stage) to the search (`decoding.beam_search`); a request may change every one of them."""
 
     beam_size: int = 4  # 1 = greedy search (no length penalty)
     alpha: float = 0.6  # GNMT length penalty exponent
     max_len_a: float = 1.0  # maximum output length = max_len_a * source tokens + max_len_b
     max_len_b: int = 50
-    # Decoding's precision (transformer/devices.py): the dtype the weights are cast to, scores in float32;
+    nbest: int = 1  # hypotheses per input (at most beam_size), or samples with sampling=true
+    sampling: bool = False  # draw nbest samples per input instead of searching (e.g. back-translation)
+    topk: int = 0  # sampling: from the k most probable tokens only; 0 = all
+    topp: float = 1.0  # sampling: from the most probable tokens whose probability reaches p; 1.0 = all
+    temperature: float = 1.0  # sampling: softmax(logits / temperature)
+    seed: int = 0  # sampling: the same seed draws the same samples, whatever the batches
+
+    def check(self) -> None:
+        self.require(1 <= self.beam_size <= MAX_BEAM, "beam_size", f"must be in 1..{MAX_BEAM}")
+        # lp(Y) = ((5 + |Y|) / 6)^alpha stays a float32 number up to 1,024 positions
+        self.require(0 <= self.alpha <= MAX_ALPHA, "alpha", f"must be in [0, {MAX_ALPHA}]")
+        self.require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
+        self.require(self.max_len_b >= 1, "max_len_b", "must be at least 1")
+        self.require(1 <= self.nbest <= MAX_BEAM, "nbest", f"must be in 1..{MAX_BEAM}")
+        if not self.sampling:
+            self.require(self.nbest <= self.beam_size, "nbest", f"must be at most beam_size={self.beam_size}")
+        self.require(0 <= self.seed < 2**32, "seed", "must be in 0..2^32 - 1")
+        self.require(self.topk >= 0, "topk", "must be >= 0 (0 = every token)")
+        self.require(0 < self.topp <= 1, "topp", "must be in (0, 1]")
+        low, high = TEMPERATURES
+        self.require(low <= self.temperature <= high, "temperature", f"must be in [{low}, {high}]")
+        if not self.sampling and (self.topk or self.topp < 1 or self.temperature != 1):
+            raise ConfigError(f"{self.PREFIX}topk, topp and temperature shape sampling: add sampling=true")
+        super().check()
+
+    @property
+    def search(self) -> SearchConfig:
+        """These settings alone (of a config that holds more)."""
+        return SearchConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SearchConfig)})
+
+    @property
+    def width(self) -> int:
+        """Rows decoded per sentence: the beam, or one per sample."""
+        return self.nbest if self.sampling else self.beam_size
+
+    @property
+    def ranking_alpha(self) -> float:
+        """The length penalty's exponent the search ranks by: alpha for a beam; none for greedy search
+        and for samples (log P(Y|X))."""
+        return self.alpha if self.beam_size > 1 and not self.sampling else 0.0
+
+    def describe(self) -> str:
+        """`beam4.alpha0.6`, `greedy` or `sample.seed<s>` (`sample<n>` for n samples, then `.topk<k>`,
+        `.topp<p>`, `.temp<t>` where set), then `.len<a>x+<b>` for an output limit other than §6.1's: a
+        name that tells one search from another (evaluate.py's result files)."""
+        name = f"beam{self.beam_size}.alpha{self.alpha:g}" if self.beam_size > 1 else "greedy"
+        if self.sampling:
+            name = f"sample{self.nbest if self.nbest > 1 else ''}.seed{self.seed}"
+            shape = {"topk": (self.topk, SearchConfig.topk), "topp": (self.topp, SearchConfig.topp)}
+            shape["temp"] = (self.temperature, SearchConfig.temperature)
+            name += "".join(f".{k}{v:g}" for k, (v, default) in shape.items() if v != default)
+        if (self.max_len_a, self.max_len_b) != (SearchConfig.max_len_a, SearchConfig.max_len_b):
+            name += f".len{self.max_len_a:g}x+{self.max_len_b}"  # another output limit
+        return name
+
+
+@dataclass
+class DecodingPrecision(Settings):
+    """Decoding's precision (transformer/utils/devices.py): the dtype the weights are cast to, scores in
+    float32. The model's, not the search's: a request to the server cannot change it."""
+
     # "auto": bf16 on CUDA, fp32 on a CPU | "fp32" | "bf16" | "int8" (8-bit products on the CPU)
     precision: str = "auto"
 
-    def __post_init__(self) -> None:
-        self.require(1 <= self.beam_size <= MAX_BEAM, "beam_size", f"must be in 1..{MAX_BEAM}")
-        self.require(self.alpha >= 0, "alpha", "must be >= 0")
-        self.require(self.max_len_a >= 0, "max_len_a", "must be >= 0")
-        self.require(self.max_len_b >= 1, "max_len_b", "must be at least 1")
+    def check(self) -> None:
         self.require_choice("precision", DECODE_PRECISIONS)
-        super().__post_init__()
-
-    def search_settings(self) -> dict[str, Any]:
-        """These settings by name, as another SearchConfig takes them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SearchConfig)}
+        super().check()
 
 
 @dataclass
@@ -320,7 +385,7 @@ class TrainerConfig(DeviceConfig):
     progress: bool = True
     dist_timeout_minutes: float = 15.0  # a collective waiting longer (a peer died) fails instead of hanging
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.require_choice("precision", TRAIN_PRECISIONS)
         self.require_positive(
             "max_steps",
@@ -367,7 +432,7 @@ class TrainerConfig(DeviceConfig):
         every = "trainer.bleu_every_steps" if self.best_metric == "bleu" else "trainer.eval_every_steps"
         if self.best_metric == "bleu" or self.patience:  # loss without validations: no best checkpoint
             self.require(validations > 0, "best_metric", f"needs its validations: {every} is 0")
-        super().__post_init__()
+        super().check()
 
     def grad_accum(self, world_size: int) -> int:
         """Batches per rank per optimizer step, so that max_tokens x accum x ranks >= tokens_per_step."""
@@ -380,7 +445,7 @@ class TrainerConfig(DeviceConfig):
 
 
 @dataclass
-class FinishConfig(SearchConfig):
+class FinishConfig(SearchConfig, DecodingPrecision):
     """What `train.py` does once training ends (rank 0): average, evaluate, show translations, decoding
     with the search settings of §6.1 unless told otherwise (on the training's device; int8 on the CPU)."""
 
@@ -391,10 +456,10 @@ class FinishConfig(SearchConfig):
     examples: list[str] = field(default_factory=list)  # sentences to translate and print
     attention_text: str | None = None  # write attention heatmaps for this sentence
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.require(self.average_last >= 0, "average_last", "must be >= 0 (0 = skip)")
         self.require_choice("evaluate_split", ("valid", "test", None))
-        super().__post_init__()
+        super().check()
 
 
 @dataclass
@@ -410,48 +475,23 @@ class TrainConfig(Settings):
 
 
 @dataclass
-class DecodeConfig(SearchConfig, DeviceConfig):
+class DecodeConfig(SearchConfig, DecodingPrecision, DeviceConfig):
     """A checkpoint (or several: an ensemble) and how to decode with it: the search (§6.1) or sampling,
-    the device, the batches."""
+    the precision, the device, the batches."""
 
     checkpoint: str | list[str] | None = None  # a checkpoint file (it carries its tokenizer), or a list
-    weights: list[float] | None = (
-        None  # an ensemble's weight per checkpoint (Marian's --weights); None: equal
-    )
-    nbest: int = 1  # hypotheses per input (at most beam_size), or samples with sampling=true
-    sampling: bool = False  # draw nbest samples per input instead of searching (e.g. back-translation)
-    topk: int = 0  # sampling: from the k most probable tokens only; 0 = all
-    topp: float = 1.0  # sampling: from the most probable tokens whose probability reaches p; 1.0 = all
-    temperature: float = 1.0  # sampling: softmax(logits / temperature)
-    seed: int = 0  # sampling: the same seed draws the same samples, whatever the batches
+    weights: list[float] | None = None  # an ensemble's weight per checkpoint (Marian's --weights); None: 1
     max_tokens: int = 4096  # padded source tokens per batch
     max_sentences: int = 256  # sentences per batch: bounds the decoder's cache on batches of short lines
     cuda_graphs: bool | None = None  # each search step one CUDA graph replay; None: on CUDA
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.checkpoint is None:
             raise ConfigError("checkpoint=PATH is required (a .pt file written by train.py)")
-        # Each value typed as `from_dict` types it: these settings are also built in code (finish.py).
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            if not dataclasses.is_dataclass(hints[f.name]):  # EvaluateConfig.data comes typed
-                setattr(self, f.name, _typed(hints[f.name], getattr(self, f.name), f.name))
-        self.require_positive("max_tokens", "max_sentences", "nbest", "temperature")
-        super().__post_init__()
+        self.require_positive("max_tokens", "max_sentences")
+        super().check()
         if self.precision == "int8" and (self.device.startswith("cuda") or self.cuda_graphs):
             raise ConfigError("precision=int8 runs on the CPU: not with device=cuda or cuda_graphs=true")
-        self._check_policies()
-
-    def _check_policies(self) -> None:
-        """n-best lists, sampling and ensembles."""
-        if not self.sampling:
-            self.require(self.nbest <= self.beam_size, "nbest", f"must be at most beam_size={self.beam_size}")
-        self.require(self.nbest <= MAX_BEAM, "nbest", f"must be at most {MAX_BEAM}")
-        self.require(0 <= self.seed < 2**32, "seed", "must be in 0..2^32 - 1")
-        self.require(self.topk >= 0, "topk", "must be >= 0 (0 = every token)")
-        self.require(0 < self.topp <= 1, "topp", "must be in (0, 1]")
-        if not self.sampling and (self.topk or self.topp < 1 or self.temperature != 1):
-            raise ConfigError("topk, topp and temperature shape sampling: add sampling=true")
         paths = self.checkpoint if isinstance(self.checkpoint, list) else [self.checkpoint]
         self.require(len(paths) > 0, "checkpoint", "must name at least one file")
         if self.weights is not None:
@@ -482,8 +522,8 @@ class TranslateConfig(DecodeConfig):
     )
     buffer_size: int | None = None  # translate and write each N lines as they arrive; None: 1 from a terminal
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
+        super().check()
         if self.text is not None and self.input is not None:
             raise ConfigError("give either text=... or input=FILE, not both")
         self.require_choice("output_format", OUTPUT_FORMATS)
@@ -513,8 +553,8 @@ class ServeConfig(DecodeConfig):
     max_chars: int = 10_000  # characters per line
     batch_wait_ms: float = 10.0  # how long the model waits for more requests to batch with the first
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
+        super().check()
         self.require(0 <= self.port < 65536, "port", "must be in 0..65535 (0: any free port)")
         self.require_positive("max_body_bytes", "max_lines", "max_chars")
         self.require(self.batch_wait_ms >= 0, "batch_wait_ms", "must be >= 0")
@@ -528,8 +568,8 @@ class EvaluateConfig(DecodeConfig):
     split: str = "test"  # role: valid | test | train
     lowercase: bool | None = None  # also score lowercased; None = where the published figures are
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
+        super().check()
         self.require_choice("split", ROLES)
 
 
@@ -543,8 +583,8 @@ class VisualizeConfig(DecodeConfig):
     out_dir: str = "attention"  # PNGs: encoder_self.png, decoder_self.png, cross.png
     tensorboard: bool = False  # also write the figures to TensorBoard (in out_dir)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
+        super().check()
         if not (self.text and self.text.strip()):
             raise ConfigError('text="..." is required: the sentence to translate')
 
@@ -558,7 +598,7 @@ class ExportConfig(Settings):
     out: str | None = None  # the directory to write (new, or empty)
     quantization: str | None = None  # ctranslate2 only: "int8", "int8_float32", ... (None = float32)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.checkpoint is None:
             raise ConfigError("checkpoint=PATH is required (a .pt file written by train.py)")
         if self.out is None:
@@ -569,7 +609,7 @@ class ExportConfig(Settings):
             "quantization",
             "applies to format=ctranslate2 only",
         )
-        super().__post_init__()
+        super().check()
 
 
 def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
@@ -614,6 +654,10 @@ def _typed(hint: Any, value: Any, name: str) -> Any:
         raise ConfigError(f"{name}={value!r} must be a whole number")
     if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
         raise ConfigError(f"{name}={value!r} must be a number")
+    if kind is float:
+        if not math.isfinite(value):  # inf and nan would pass every range check
+            raise ConfigError(f"{name}={value!r} must be a finite number")
+        return float(value)
     if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # Hydra reads name=2024 as a number
     names = {str: "a string", list: "a list", dict: "a mapping"}

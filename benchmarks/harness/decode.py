@@ -1,4 +1,4 @@
-"""The decode section: ours (beam_search / greedy_search; on CUDA also beam_search in static shapes and
+"""The decode section: ours (beam_search, greedy as its beam of 1; on CUDA also in static shapes and
 CUDA graphs), Hugging Face generate and CTranslate2 on the same random sources, exactly --new-tokens
 outputs."""
 
@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from harness.measure import FIRST_TOKEN, KERNELS_OFF, KERNELS_ON, Setup, interleave, side_kernels
 from harness.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
-from transformer.config import ConfigError, ModelConfig
-from transformer.decoding import Sampling, beam_search, greedy_search, search_weights
+from transformer.config import ConfigError, ModelConfig, SearchConfig
+from transformer.decoding import beam_search, search_weights
 from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.utils.devices import decoding_dtype
@@ -42,27 +42,16 @@ def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str
 def ours_decoder(
     model: Transformer, new_tokens: int, kernels: Kernels, graphs: bool = False, **policy: Any
 ) -> Callable[[Tensor, int], int]:
-    """beam_search / greedy_search with exactly new_tokens outputs: L = 0 x |X| + new_tokens, and EOS
-    suppressed through step new_tokens (min_len), with the kernels as translate.py hands them over.
-    With graphs, beam_search in static shapes replaying each step as a CUDA graph (greedy: a beam of 1
-    without length penalty), recorded anew for every call, as translate.py does for every batch.
-    `policy`: beam_search's nbest or sampling. Returns the output tokens (of the best hypotheses)."""
+    """beam_search (§6.1's; a beam of 1 is greedy search) with exactly new_tokens outputs: L = 0 x |X| +
+    new_tokens, and EOS suppressed through step new_tokens (min_len), with the kernels as translate.py
+    hands them over. With graphs, in static shapes replaying each step as a CUDA graph, recorded anew for
+    every call, as translate.py does for every batch. `policy`: SearchConfig's nbest or sampling
+    settings. Returns the output tokens (of the best hypotheses)."""
     model = kernels.apply(model)
 
     def run(src: Tensor, beam: int) -> int:
-        limits = {
-            "max_len_a": 0.0,
-            "max_len_b": new_tokens,
-            "min_len": new_tokens,
-            "linear": kernels.products,
-            **policy,
-        }
-        if graphs:
-            result = beam_search(model, src, beam, 0.6 if beam > 1 else 0.0, **limits, static=True)
-        elif beam > 1:
-            result = beam_search(model, src, beam_size=beam, alpha=0.6, **limits)
-        else:
-            result = greedy_search(model, src, **limits)
+        search = SearchConfig(beam_size=beam, max_len_a=0.0, max_len_b=new_tokens, **policy)
+        result = beam_search(model, src, search, new_tokens, static=graphs, linear=kernels.products)
         return sum(len(tokens) for tokens in result.tokens)
 
     run.model, run.products = model, kernels.products  # section_decode packs its weights
@@ -120,7 +109,8 @@ def build_decoders(
     decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens, kernels))}
     # the search's other policies, beam 4 only (translate.py nbest=4; sampling=true nbest=4 topk=50)
     decoders[POLICIES[0]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, nbest=4))
-    decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, sampling=Sampling(topk=50)))
+    sampling = {"sampling": True, "nbest": 4, "topk": 50}
+    decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, **sampling))
     for name, side in side_kernels(setup.device).items():  # the same search, cpu_kernels=off (and =on)
         decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
     if not cuda:  # translate.py precision=int8, where it runs: a copy of the weights in 8 bits

@@ -3,13 +3,12 @@ as policies of the same loop, all running the model's own `decode` with a cache 
 (`DecoderCache`)."""
 
 from transformer.decoding.cache import DecoderCache
-from transformer.decoding.scoring import Ensemble, Sampling, best_next_tokens, vocab_chunks
+from transformer.decoding.scoring import Ensemble, best_next_tokens, vocab_chunks
 from transformer.decoding.search import (
     BeamSearch,
     Hypothesis,
     SearchResult,
     beam_search,
-    greedy_search,
     length_penalty,
     max_output_lengths,
     search_weights,
@@ -20,11 +19,9 @@ __all__ = [
     "DecoderCache",
     "Ensemble",
     "Hypothesis",
-    "Sampling",
     "SearchResult",
     "beam_search",
     "best_next_tokens",
-    "greedy_search",
     "length_penalty",
     "max_output_lengths",
     "search_weights",

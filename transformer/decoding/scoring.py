@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer.config import SearchConfig
 from transformer.model import Transformer
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
@@ -122,18 +123,6 @@ def next_log_probs(
     return mask_specials(log_probs, step, min_len)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Ancestral sampling (instead of beam search): the next token drawn from softmax(logits /
-    temperature), narrowed to the `topk` most probable (0 = all) and to the smallest set whose
-    probability reaches `topp` (1.0 = all); `seed` fixes the draws."""
-
-    topk: int = 0
-    topp: float = 1.0
-    temperature: float = 1.0
-    seed: int = 0
-
-
 def uniform_draws(keys: Tensor, step: Tensor) -> Tensor:
     """(R,) float64 uniform numbers in [0, 1), one per row, a hash (splitmix64) of the row's key (R,)
     int64 and the step: independent of the batch a row is decoded in."""
@@ -156,11 +145,13 @@ def sample_keys(seed: int, sentences: Tensor, samples: int) -> Tensor:
     return ((seed * 1_000_003 + sentences[:, None]) * 65_537 + sample).view(-1)
 
 
-def sample_tokens(log_probs: Tensor, sampling: Sampling, draws: Tensor) -> Tensor:
-    """(R, 1) tokens drawn from the narrowed distribution of log_probs (R, V), by inverse transform with
-    the uniform numbers draws (R,). With top-k only the k best are ranked and summed; plain sampling
-    sums the whole vocabulary in float32 (its last entry, a real piece, takes a draw that rounding
-    pushes past the sum), top-p in float64."""
+def sample_tokens(log_probs: Tensor, sampling: SearchConfig, draws: Tensor) -> Tensor:
+    """(R, 1) tokens drawn from the distribution of log_probs (R, V) that ancestral sampling narrows
+    (`SearchConfig`: softmax(logits / temperature), the `topk` most probable (0 = all), the smallest set
+    whose probability reaches `topp` (1.0 = all)), by inverse transform with the uniform numbers draws
+    (R,). With top-k only the k best are ranked and summed; plain sampling sums the whole vocabulary
+    in float32 (its last entry, a real piece, takes a draw that rounding pushes past the sum), top-p
+    in float64."""
     index = None  # the vocabulary ids of the columns kept, when not all of them
     logits = log_probs
     if 0 < sampling.topk < log_probs.size(-1):

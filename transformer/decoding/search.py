@@ -40,18 +40,17 @@ import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer.config import SearchConfig
 from transformer.decoding.cache import DecoderCache
 from transformer.decoding.scoring import (
     NEG_INF,
     Ensemble,
     Linear,
-    Sampling,
     best_next_tokens,
     members,
     next_log_probs,
@@ -242,39 +241,33 @@ class BeamSearch:
         self,
         model: Transformer | Ensemble,
         src: Tensor,
-        beam_size: int,
-        alpha: float,
-        max_len: tuple[float, int],
-        min_len: int,
+        search: SearchConfig,
         static: bool,
         linear: Linear,
-        nbest: int = 1,
-        sampling: Sampling | None = None,
+        min_len: int = 0,
         sentence_ids: Tensor | None = None,
     ) -> None:
-        """src (B, S): rows of pieces + [EOS], padded with PAD_ID; max_len (a, b): L = a |X| + b;
-        sampling: draw beam_size samples per sentence instead; sentence_ids (B,): the sentences' numbers
-        in the whole input, which fix their samples' draws (default: their rows)."""
-        nbest = beam_size if sampling is not None else nbest  # every sample is kept
-        if not 1 <= nbest <= beam_size:
-            raise ValueError(f"nbest={nbest} must be between 1 and the beam size {beam_size}")
-        self.model, self.k, self.alpha, self.min_len, self.static = model, beam_size, alpha, min_len, static
-        self.linear, self.sampling = linear, sampling
+        """src (B, S): rows of pieces + [EOS], padded with PAD_ID; search: the beam (or samples), the
+        length penalty, the output limit L = a |X| + b; sentence_ids (B,): the sentences' numbers in the
+        whole input, which fix their samples' draws (default: their rows)."""
+        k, alpha = search.width, search.ranking_alpha
+        nbest = k if search.sampling else search.nbest  # every sample is kept
+        self.model, self.k, self.alpha, self.min_len, self.static = model, k, alpha, min_len, static
+        self.linear, self.sampling = linear, search if search.sampling else None
         self.models = members(model)
         b = src.size(0)
         src_mask = source_mask(self.models[0], src)  # (B, S)
         positions = min(m.cfg.max_positions for m in self.models)  # an ensemble: its shortest member's
-        limits = max_output_lengths(src_mask, *max_len, positions)  # (B,)
+        limits = max_output_lengths(src_mask, search.max_len_a, search.max_len_b, positions)  # (B,)
         limit = int(limits.max())
         self.caches = [
-            DecoderCache(m, m.encode(src, src_mask), src_mask, b * beam_size, limit, static)
-            for m in self.models
+            DecoderCache(m, m.encode(src, src_mask), src_mask, b * k, limit, static) for m in self.models
         ]
         keys = torch.zeros(0, dtype=torch.long, device=src.device)
-        if sampling is not None:
+        if search.sampling:
             ids = torch.arange(b, device=src.device) if sentence_ids is None else sentence_ids.to(src.device)
-            keys = sample_keys(sampling.seed, ids, beam_size)
-        self.beams = _Beams.start(src, limits, beam_size, nbest, alpha, limit, keys)
+            keys = sample_keys(search.seed, ids, k)
+        self.beams = _Beams.start(src, limits, k, nbest, alpha, limit, keys)
         self.results = _Results(b)
 
     @property
@@ -378,49 +371,37 @@ class BeamSearch:
 def beam_search(
     model: Transformer | Ensemble,
     src: Tensor,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
+    search: SearchConfig | None = None,
     min_len: int = 0,
     static: bool = False,
     graphs: bool | None = None,
     linear: Linear = F.linear,
-    nbest: int = 1,
-    sampling: Sampling | None = None,
     sentence_ids: Tensor | None = None,
 ) -> SearchResult:
-    """Beam search with the GNMT length penalty (§6.1), batched over the sentences of src (B, S): rows
-    of pieces + [EOS], padded with PAD_ID; the `nbest` best hypotheses per sentence. EOS is held back
-    through step `min_len` (benchmarks that force an output length). `static`: in static shapes;
-    `graphs` (default: on CUDA) with every step after the first a CUDA graph replay. `linear` makes the
-    output projection (`kernels.Products`). `sampling`: beam_size samples instead (`BeamSearch`)."""
-    options = dict(nbest=nbest, sampling=sampling, sentence_ids=sentence_ids)
-    limits = (max_len_a, max_len_b)
-    search = BeamSearch(model, src, beam_size, alpha, limits, min_len, static, linear, **options)
+    """The search of `search` (default: §6.1's, beam 4 with the GNMT length penalty; a beam of 1 is
+    greedy search), batched over the sentences of src (B, S): rows of pieces + [EOS], padded with
+    PAD_ID; the `nbest` best hypotheses per sentence, or `nbest` samples. EOS is held back through step
+    `min_len` (benchmarks that force an output length). `static`: in static shapes; `graphs` (default:
+    on CUDA) with every step after the first a CUDA graph replay. `linear` makes the output projection
+    (`kernels.Products`). sentence_ids: as `BeamSearch` takes them."""
+    run = BeamSearch(model, src, search or SearchConfig(), static, linear, min_len, sentence_ids)
     graphs = (static and src.is_cuda) if graphs is None else graphs
     if graphs and not (static and src.is_cuda):
         raise ValueError("CUDA graphs need static=True and the model and src on a CUDA device")
-    limit = search.beams.tokens.size(1)
+    limit = run.beams.tokens.size(1)
     # graphs record and replay on the streams of the current device: make it src's (cuda:1 too)
     with torch.cuda.device(src.device) if graphs else contextlib.nullcontext():
-        step = _graphed(search.step) if graphs else search.step  # with graphs, step 1 ran in the warm-up
+        step = _graphed(run.step) if graphs else run.step  # with graphs, step 1 ran in the warm-up
         for _ in range(1 if graphs else 0, limit):
             if static:
-                if search.done():
+                if run.done():
                     break
                 step()
             else:
-                search.step()
-                if not search.leave():
+                run.step()
+                if not run.leave():
                     break
-    return search.result()
-
-
-def greedy_search(model: Transformer | Ensemble, src: Tensor, **options: Any) -> SearchResult:
-    """The most probable next token at every step: `beam_search` with a beam of 1 and no length penalty
-    (its scores are log P(Y|X)); `options`: max_len_a, max_len_b, min_len, static, linear."""
-    return beam_search(model, src, beam_size=1, alpha=0.0, **options)
+    return run.result()
 
 
 def rank_extensions(

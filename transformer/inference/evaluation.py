@@ -194,17 +194,10 @@ def read_split(cfg: DataConfig, role: str) -> Split:
 
 
 def _search_name(cfg: EvaluateConfig, models: int, bf16: bool) -> str:
-    """`beam4.alpha0.6`, `greedy` or `sample.seed<s>` (`sample<n>` for n samples, then `.topk<k>`,
-    `.topp<p>`, `.temp<t>` where set), then `.len<a>x+<b>` for an output limit other than §6.1's, `.bf16`
-    (the weights in bf16, as auto on CUDA) or `.int8`, `.ensemble<n>` for n checkpoints (`.w<w1>-<w2>...`
-    with weights): another search never overwrites a result."""
-    search = f"beam{cfg.beam_size}.alpha{cfg.alpha:g}" if cfg.beam_size > 1 else "greedy"
-    if cfg.sampling:
-        shape, plain = {"topk": cfg.topk, "topp": cfg.topp, "temp": cfg.temperature}, (0, 1.0, 1.0)
-        search = f"sample{cfg.nbest if cfg.nbest > 1 else ''}.seed{cfg.seed}"
-        search += "".join(f".{k}{v:g}" for (k, v), unset in zip(shape.items(), plain) if v != unset)
-    if (cfg.max_len_a, cfg.max_len_b) != (EvaluateConfig.max_len_a, EvaluateConfig.max_len_b):
-        search += f".len{cfg.max_len_a:g}x+{cfg.max_len_b}"  # another output limit
+    """The search's own name (`SearchConfig.describe`: `beam4.alpha0.6`, `greedy`, `sample.seed<s>`,
+    ...), then `.bf16` (the weights in bf16, as auto on CUDA) or `.int8`, `.ensemble<n>` for n
+    checkpoints (`.w<w1>-<w2>...` with weights): another search never overwrites a result."""
+    search = cfg.search.describe()
     if cfg.precision == "int8" or bf16:
         search += ".int8" if cfg.precision == "int8" else ".bf16"
     if models > 1:

@@ -19,12 +19,11 @@ import torch
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.config import ConfigError, DecodeConfig
+from transformer.config import ConfigError, DecodeConfig, SearchConfig
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import (
     Ensemble,
     Hypothesis,
-    Sampling,
     SearchResult,
     beam_search,
     length_penalty,
@@ -56,7 +55,8 @@ class Translation:
 class Translator:
     """A checkpoint's model (or an ensemble of several) and tokenizer with the decoding settings of
     `DecodeConfig` (§6.1): `translate` (text), `translate_nbest` (hypotheses with scores), `score`
-    (given translations)."""
+    (given translations). Each takes a list of lines, or one line as a string (its result alone), and
+    a `SearchConfig` for that call instead of the settings' own (`search`)."""
 
     def __init__(
         self,
@@ -79,18 +79,23 @@ class Translator:
         self.info = info or {}  # the checkpoint's step, data_meta and run config
         self.device = next(self.model.parameters()).device
         # an ensemble's sources and outputs fit its shortest member
-        positions = self.max_positions = min(m.cfg.max_positions for m in self.models)
-        # Longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b outputs.
-        if cfg.max_len_a == 0:
-            room = positions if cfg.max_len_b <= positions else 0
+        self.max_positions = min(m.cfg.max_positions for m in self.models)
+        self.max_source_tokens(cfg.search)  # a limit that leaves no room for a source fails now
+
+    def max_source_tokens(self, search: SearchConfig) -> int:
+        """The longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b
+        outputs in the model's positions."""
+        positions = self.max_positions
+        if search.max_len_a == 0:
+            room = positions if search.max_len_b <= positions else 0
         else:
-            room = int((positions - cfg.max_len_b) / cfg.max_len_a)
-        self.max_source_tokens = min(positions, room)
-        if self.max_source_tokens < 2:
+            room = int((positions - search.max_len_b) / search.max_len_a)
+        if min(positions, room) < 2:
             raise ConfigError(
-                f"max_len_b={cfg.max_len_b} leaves no room for a source in this model's "
+                f"max_len_b={search.max_len_b} leaves no room for a source in this model's "
                 f"{positions} positions; lower max_len_b or max_len_a"
             )
+        return min(positions, room)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: DecodeConfig | str | Path | list[str], **options: Any) -> Translator:
@@ -123,9 +128,10 @@ class Translator:
         info = {k: ckpt.get(k) for k in ("step", "data_meta", "config")}
         return cls(models, loaded[0][1], cfg, info, kernels)
 
-    def encode(self, lines: list[str]) -> list[list[int]]:
-        """Source ids (pieces + [EOS]) per line; over-long lines are truncated with a warning."""
-        sources, too_long, room = [], [], self.max_source_tokens - 1
+    def encode(self, lines: list[str], search: SearchConfig | None = None) -> list[list[int]]:
+        """Source ids (pieces + [EOS]) per line; lines too long for the search's output limit are
+        truncated with a warning."""
+        sources, too_long, room = [], [], self.max_source_tokens(search or self.cfg.search) - 1
         for number, line in enumerate(lines, start=1):
             ids = self.tokenizer.encode(line) if line.strip() else []
             if len(ids) > room:
@@ -142,35 +148,30 @@ class Translator:
             stack.enter_context(self.kernels.products.prepacked(search_weights(model, int8), int8))
         return stack
 
-    def search(self, src: torch.Tensor, sentence_ids: torch.Tensor | None = None) -> SearchResult:
-        """The search of the settings on a padded batch (B, S): beam search as in §6.1 (beam_size=1:
-        greedy, without length penalty) with its `nbest` best, or `nbest` samples; with cuda_graphs, in
-        static shapes and CUDA graphs. sentence_ids (B,): the lines' numbers (sampling's draws)."""
+    def search(
+        self, src: torch.Tensor, search: SearchConfig | None = None, sentence_ids: torch.Tensor | None = None
+    ) -> SearchResult:
+        """The search on a padded batch (B, S) (default: the settings'): beam search as in §6.1
+        (beam_size=1: greedy, without length penalty) with its `nbest` best, or `nbest` samples; with
+        cuda_graphs, in static shapes and CUDA graphs. sentence_ids (B,): the lines' numbers (sampling's
+        draws)."""
         cfg = self.cfg
         model = (
             self.model
             if len(self.models) == 1
             else Ensemble(self.models, cfg.weights or [1.0] * len(self.models))
         )
-        sampling = Sampling(cfg.topk, cfg.topp, cfg.temperature, cfg.seed) if cfg.sampling else None
-        beam = cfg.nbest if sampling else cfg.beam_size
-        alpha = cfg.alpha if beam > 1 and sampling is None else 0.0  # samples: log P(Y|X)
+        linear, search = self.kernels.products, search or cfg.search
         return beam_search(
-            model,
-            src,
-            beam,
-            alpha,
-            max_len_a=cfg.max_len_a,
-            max_len_b=cfg.max_len_b,
-            static=cfg.cuda_graphs,
-            linear=self.kernels.products,
-            nbest=cfg.nbest,
-            sampling=sampling,
-            sentence_ids=sentence_ids,
+            model, src, search, static=cfg.cuda_graphs, linear=linear, sentence_ids=sentence_ids
         )
 
     def search_all(
-        self, sources: list[list[int]], progress: bool = False, first: int | list[int] = 0
+        self,
+        sources: list[list[int]],
+        progress: bool = False,
+        first: int | list[int] = 0,
+        search: SearchConfig | None = None,
     ) -> list[list[Hypothesis]]:
         """The hypotheses of each source; sources are batched by length and results put back in order.
         first: the number of the first source in the whole input, or each source's number (sampling
@@ -183,41 +184,60 @@ class Translator:
             lengths, cfg = [len(ids) for ids in sources], self.cfg
             for batch in _batches(todo, lengths, cfg.max_tokens, cfg.max_sentences):
                 src = padded([sources[i] for i in batch])  # (B, S)
-                result = self.search(src.to(self.device), numbers[batch])
+                result = self.search(src.to(self.device), search, numbers[batch])
                 for i, hypotheses in zip(batch, result.hypotheses):
                     outputs[i] = hypotheses
                 bar.update(len(batch))
         return outputs
 
-    def translate_ids(self, sources: list[list[int]], progress: bool = False) -> list[list[int]]:
+    def translate_ids(
+        self, sources: list[list[int]], progress: bool = False, search: SearchConfig | None = None
+    ) -> list[list[int]]:
         """The best output's piece ids per source."""
-        return [h[0].tokens if h else [] for h in self.search_all(sources, progress)]
+        return [h[0].tokens if h else [] for h in self.search_all(sources, progress, search=search)]
 
-    def translate(self, lines: list[str], progress: bool = False) -> list[str]:
-        """One output line per input line, the best (line breaks inside a translation become spaces)."""
-        return [self.text(ids) for ids in self.translate_ids(self.encode(lines), progress)]
+    def translate(
+        self, lines: list[str] | str, progress: bool = False, search: SearchConfig | None = None
+    ) -> list[str] | str:
+        """One output line per input line, the best (line breaks inside a translation become spaces);
+        for one line given as a string, its translation."""
+        one, lines = _lines(lines)
+        translations = [
+            self.text(ids) for ids in self.translate_ids(self.encode(lines, search), progress, search)
+        ]
+        return translations[0] if one else translations
 
     def translate_nbest(
-        self, lines: list[str], progress: bool = False, first: int | list[int] = 0
-    ) -> list[list[Translation]]:
-        """Per input line its `nbest` hypotheses (or samples), best first; none for an empty line.
-        first: the number of the first line in the whole input, or each line's number (sampling draws
-        by line number)."""
-        found = self.search_all(self.encode(lines), progress, first)
-        return [[self._translation(h) for h in hypotheses if h.token_log_probs] for hypotheses in found]
+        self,
+        lines: list[str] | str,
+        progress: bool = False,
+        first: int | list[int] = 0,
+        search: SearchConfig | None = None,
+    ) -> list[list[Translation]] | list[Translation]:
+        """Per input line its `nbest` hypotheses (or samples), best first; none for an empty line (for
+        one line given as a string, its hypotheses). first: the number of the first line in the whole
+        input, or each line's number (sampling draws by line number)."""
+        one, lines = _lines(lines)
+        found = self.search_all(self.encode(lines, search), progress, first, search)
+        nbest = [[self._translation(h) for h in hypotheses if h.token_log_probs] for hypotheses in found]
+        return nbest[0] if one else nbest
 
-    def score(self, lines: list[str], translations: list[str]) -> list[Translation | None]:
+    def score(
+        self, lines: list[str] | str, translations: list[str] | str, search: SearchConfig | None = None
+    ) -> list[Translation | None] | Translation | None:
         """Given translations scored by teacher forcing (fairseq's --score-reference): per line the
-        log-probability of each of its pieces and EOS, under the model (an ensemble's mixture); None for
-        an empty line."""
+        log-probability of each of its pieces and EOS, under the model (an ensemble's mixture), and the
+        score the search (its length penalty) would rank it by; None for an empty line."""
+        one, lines = _lines(lines)
+        translations = [translations] if isinstance(translations, str) else translations
         if len(lines) != len(translations):
             raise ConfigError(f"{len(lines)} input lines but {len(translations)} translations to score")
-        sources, room = self.encode(lines), self.max_positions - 1
+        search = search or self.cfg.search
+        sources, room = self.encode(lines, search), self.max_positions - 1
         targets = [self.tokenizer.encode(t)[:room] + [EOS_ID] for t in translations]
         scored: list[Translation | None] = [None] * len(lines)
         todo = [i for i, ids in enumerate(sources) if ids]
         weights = self.cfg.weights or [1.0] * len(self.models)
-        alpha = self.cfg.alpha if self.cfg.beam_size > 1 else 0.0  # as the search ranks
         lengths = [max(len(sources[i]), len(targets[i])) for i in range(len(lines))]
         with torch.inference_mode(), self.packed():
             for batch in _batches(sorted(todo, key=lambda i: -lengths[i]), lengths, self.cfg.max_tokens, 256):
@@ -226,10 +246,10 @@ class Translator:
                 log_probs = teacher_forced(self.models, weights, src, tgt, self.kernels.products)
                 for row, i in enumerate(batch):
                     token_log_probs = log_probs[row, : len(targets[i])].tolist()
-                    score = sum(token_log_probs) / length_penalty(len(targets[i]), alpha)
+                    score = sum(token_log_probs) / length_penalty(len(targets[i]), search.ranking_alpha)
                     hypothesis = Hypothesis(targets[i][:-1], score, token_log_probs)
                     scored[i] = self._translation(hypothesis)
-        return scored
+        return scored[0] if one else scored
 
     def text(self, ids: list[int]) -> str:
         """Piece ids as one line of text."""
@@ -250,6 +270,15 @@ def _load(path: str) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
     except (RuntimeError, ValueError, KeyError, TypeError) as error:  # mismatched weights or config
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} cannot be loaded: {first}") from None
+
+
+def _lines(lines: list[str] | str) -> tuple[bool, list[str]]:
+    """(whether one line came as a string, the lines): a string is one line, never its characters."""
+    if isinstance(lines, str):
+        return True, [lines]
+    if not isinstance(lines, (list, tuple)) or not all(isinstance(line, str) for line in lines):
+        raise TypeError(f"lines must be a list of strings (or one string), not {type(lines).__name__}")
+    return False, list(lines)
 
 
 def padded(rows: list[list[int]]) -> torch.Tensor:

@@ -4,9 +4,8 @@ one that touches the model (and the CPU kernels' packed weights), translates the
 `batch_wait_ms` of each other in one batch, those with the same search settings together.
 
     GET  /health     {"status": "ok", "checkpoint", "step", "requests", "batches"}
-    POST /translate  {"text": "..." or ["...", ...], "beam_size", "alpha", "nbest", "sampling", "topk",
-                      "topp", "temperature", "seed", "max_len_a", "max_len_b", "attention": bool,
-                      "attention_layer": int}
+    POST /translate  {"text": "..." or ["...", ...], any field of SearchConfig ("beam_size", "alpha",
+                      "nbest", "sampling", ...), "attention": bool, "attention_layer": int}
                      -> {"batch": n, "translations": [{"source", "hypotheses": [{"text", "score",
                          "log_prob", "pieces", "token_log_probs", "attention"?}]}]}
     GET  /           the attention explorer (transformer/serving/static/)
@@ -30,26 +29,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
-from transformer.config import ConfigError, DecodeConfig, ServeConfig
+from transformer.config import ConfigError, SearchConfig, ServeConfig, from_dict, to_dict
 from transformer.inference.formats import translation_dict
 from transformer.inference.translation import Translator
 from transformer.inference.visualize import attention_weights
 
 log = logging.getLogger(__name__)
 
-# The search settings a request may choose (the rest stay the server's)
-SETTINGS = {
-    "beam_size": int,
-    "alpha": (int, float),
-    "nbest": int,
-    "sampling": bool,
-    "topk": int,
-    "topp": (int, float),
-    "temperature": (int, float),
-    "seed": int,
-    "max_len_a": (int, float),
-    "max_len_b": int,
-}
+# What a request may choose: the search (the model's settings, its precision among them, stay the server's)
+SETTINGS = [f.name for f in dataclasses.fields(SearchConfig)]
 STATIC = {  # path -> (file in transformer/serving/static, content type)
     "/": ("index.html", "text/html"),
     "/explorer.js": ("explorer.js", "text/javascript"),
@@ -67,10 +55,10 @@ class BadRequest(Exception):
 
 @dataclass
 class Job:
-    """One request's lines and settings, and the future its handler waits on."""
+    """One request's lines and search, and the future its handler waits on."""
 
     lines: list[str]
-    settings: dict[str, Any]
+    search: SearchConfig
     attention: bool
     attention_layer: int | None
     result: Future
@@ -102,7 +90,7 @@ class ModelWorker(threading.Thread):
                 if other is None:
                     stop = True
                     break
-                (batch if other.settings == job.settings else held).append(other)
+                (batch if other.search == job.search else held).append(other)
             self._translate(batch)
             if stop:
                 for job in held:
@@ -117,12 +105,10 @@ class ModelWorker(threading.Thread):
         self.batches += 1
         self.requests += len(batch)
         try:
-            cfg = dataclasses.replace(self.translator.cfg, **batch[0].settings)
-            t = self.translator
-            translator = Translator(t.models, t.tokenizer, cfg, t.info, t.kernels)
             lines = [line for job in batch for line in job.lines]
-            numbers = [i for job in batch for i in range(len(job.lines))]  # a request's own: its samples
-            found = translator.translate_nbest(lines, first=numbers)  # whatever it is batched with
+            # each request's lines numbered on their own: its samples, whatever it is batched with
+            numbers = [i for job in batch for i in range(len(job.lines))]
+            found = self.translator.translate_nbest(lines, first=numbers, search=batch[0].search)
             start = 0
             for job in batch:
                 answers = []
@@ -157,9 +143,12 @@ class ModelWorker(threading.Thread):
         self.jobs.put(None)
 
 
-def parse_request(body: bytes, limits: dict[str, int]) -> tuple[list[str], dict[str, Any], bool, int | None]:
-    """A POST /translate body -> its lines, search settings and attention wishes; BadRequest if it is
-    not a JSON object of the documented fields within the limits."""
+def parse_request(
+    body: bytes, limits: dict[str, int], base: SearchConfig
+) -> tuple[list[str], SearchConfig, bool, int | None]:
+    """A POST /translate body -> its lines, its search (the request's settings over the server's, `base`)
+    and attention wishes; BadRequest if it is not a JSON object of the documented fields within the
+    limits, or its settings are not a search translate.py would take."""
     try:
         request = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -192,20 +181,17 @@ def parse_request(body: bytes, limits: dict[str, int]) -> tuple[list[str], dict[
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
     lines = [" ".join(line.splitlines()) for line in lines]
-    settings = {}
-    for key, kind in SETTINGS.items():
-        if key in request:
-            value = request[key]
-            if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-                raise BadRequest(f'"{key}" must be {"true or false" if kind is bool else "a number"}')
-            settings[key] = value
+    try:
+        search = from_dict(SearchConfig, to_dict(base) | {k: request[k] for k in SETTINGS if k in request})
+    except ConfigError as error:
+        raise BadRequest(str(error)) from None
     attention = request.get("attention", False)
     layer = request.get("attention_layer")
     if not isinstance(attention, bool):
         raise BadRequest('"attention" must be true or false')
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
         raise BadRequest('"attention_layer" must be a whole number')
-    return lines, settings, attention, layer
+    return lines, search, attention, layer
 
 
 def _not_unicode(line: str) -> bool:
@@ -217,14 +203,6 @@ def _not_unicode(line: str) -> bool:
     return False
 
 
-def check_settings(base: DecodeConfig, settings: dict[str, Any]) -> None:
-    """The request's settings over the server's, validated as translate.py validates them."""
-    try:
-        dataclasses.replace(base, **settings)
-    except ConfigError as error:
-        raise BadRequest(str(error)) from None
-
-
 class Server(ThreadingHTTPServer):
     """The HTTP server with its model worker and limits."""
 
@@ -233,6 +211,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], translator: Translator, limits: dict[str, int], wait: float):
         super().__init__(address, Handler)
         self.translator, self.limits = translator, limits
+        self.search = translator.cfg.search  # a request's settings go over these
         self.worker = ModelWorker(translator, wait, limits["max_lines"])
         self.worker.start()
 
@@ -264,12 +243,16 @@ class Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.NOT_FOUND, {"error": f"no {self.path}: POST /translate"})
             return
         try:
-            lines, settings, attention, layer = parse_request(self._body(), self.server.limits)
-            check_settings(self.server.translator.cfg, settings)
-            n_layers = self.server.translator.model.cfg.n_layers
+            translator, server = self.server.translator, self.server
+            lines, search, attention, layer = parse_request(self._body(), server.limits, server.search)
+            try:
+                translator.max_source_tokens(search)  # an output limit that leaves no room for a source
+            except ConfigError as error:
+                raise BadRequest(str(error)) from None
+            n_layers = translator.model.cfg.n_layers
             if layer is not None and not -n_layers <= layer < n_layers:
                 raise BadRequest(f"attention_layer={layer} is out of range: the model has {n_layers} layers")
-            job = Job(lines, settings, attention, layer, Future())
+            job = Job(lines, search, attention, layer, Future())
             self.server.worker.jobs.put(job)
             self._json(HTTPStatus.OK, job.result.result(timeout=600))
         except BadRequest as error:

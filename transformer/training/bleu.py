@@ -7,11 +7,11 @@ hypotheses of each validation go beside the checkpoints: `valid_step<N>.hyp.<lan
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformer.checkpoint import checkpoint_dir
-from transformer.config import DecodeConfig, TrainConfig
+from transformer.config import DecodeConfig, TrainConfig, to_dict
 from transformer.data.tokenizer import Tokenizer
 from transformer.inference.evaluation import published, read_split, score_all, wants_lowercase
 from transformer.inference.translation import Translator
@@ -42,9 +42,9 @@ def load_valid_text(cfg: TrainConfig) -> ValidText:
 
 def valid_bleu(run: Run, text: ValidText) -> dict[str, float]:
     """{"bleu": the corpus's metric, "sacrebleu": ...} of the live model at this step."""
-    search = run.cfg.finish.search_settings() | {"precision": "fp32"}  # the weights stay as they train
-    cfg = DecodeConfig(checkpoint=str(run.run_dir), device=str(run.runtime.device), **search)
-    cfg = replace(cfg, cuda_graphs=False)
+    checkpoint, device, search = str(run.run_dir), str(run.runtime.device), to_dict(run.cfg.finish.search)
+    # the weights stay as they train (fp32), the search in dynamic shapes
+    cfg = DecodeConfig(checkpoint=checkpoint, device=device, precision="fp32", cuda_graphs=False, **search)
     translator = Translator(run.model, Tokenizer.from_bytes(run.spm_model), cfg, kernels=run.runtime.kernels)
     run.model.eval()
     try:  # bf16 autocast on CUDA; a CPU decodes fastest in fp32 with its kernels

@@ -19,7 +19,7 @@ from transformer.checkpoint import (
     list_checkpoints,
     write_checkpoint,
 )
-from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig
+from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig, to_dict
 from transformer.data.sources import split_names
 from transformer.inference.evaluation import evaluate_checkpoint
 from transformer.inference.translation import Translator
@@ -69,7 +69,8 @@ def finish(cfg: TrainConfig, run_dir: Path) -> Path | None:
         "threads": trainer.threads,
         "cpu_kernels": trainer.cpu_kernels,
     }
-    decode = dict(checkpoint=str(checkpoint), **settings.search_settings(), **device)
+    decode = dict(checkpoint=str(checkpoint), precision=settings.precision, **device)
+    decode |= to_dict(settings.search)
     written = [checkpoint]
     best, record = checkpoint_dir(run_dir) / BEST, found[1].get("best") or {}
     if best.is_file() and record.get("value") is not None:  # the best validation (trainer.best_metric)
