@@ -23,7 +23,7 @@ from transformer.checkpoint import CheckpointError
 from transformer.config import ConfigError, TrainConfig, app_defaults, from_dict
 from transformer.data.sources import DataError
 from transformer.training import TrainingError, TrainingStopped, train
-from transformer.training.finish import check_finish, finish
+from transformer.training.finish import finish
 from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(name="train_defaults", node=app_defaults("train"))  # every default
@@ -35,7 +35,6 @@ def main(cfg: DictConfig) -> None:
         cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
     try:
         config = from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
-        check_finish(config)
         run_dir = train(config)
         if int(os.environ.get("RANK", "0")) == 0:  # average, evaluate, show translations (finish.*)
             finish(config, run_dir)

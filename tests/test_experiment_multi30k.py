@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 
 from transformer.checkpoint import list_checkpoints, load_checkpoint
 from transformer.config import TrainConfig, from_dict
-from transformer.data.sources import split_names
 from transformer.model import Transformer
 from transformer.training import train
 from transformer.training.schedule import inverse_sqrt_lr
@@ -71,7 +70,7 @@ def test_an_update_holds_two_4096_token_batches_for_8000_updates():
 @pytest.mark.skipif(not MULTI30K.is_dir(), reason="no ../shared/data/multi30k")
 def test_the_raw_multi30k_release_has_every_split_the_config_names():
     cfg = compose_experiment("data.source=local", f"data.path={MULTI30K}")
-    for name in split_names(cfg.data).values():
+    for name in cfg.data.split_names.values():
         for lang in (cfg.data.src_lang, cfg.data.tgt_lang):
             assert (MULTI30K / f"{name}.{lang}.gz").is_file(), name
 

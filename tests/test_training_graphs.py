@@ -18,11 +18,10 @@ from test_training_run import (  # noqa: F401 (the corpus fixture)
 
 from transformer.checkpoint import load_checkpoint
 from transformer.config import ConfigError
-from transformer.kernels import Kernels
-from transformer.training import loop, train
-from transformer.training import step as training_step
+from transformer.training import Parts, Plan, train
 from transformer.training.distributed import Runtime
-from transformer.training.graphs import StepGraphs, use_cuda_graphs
+from transformer.training.graphs import StepGraphs
+from transformer.training.step import queue_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,30 +53,32 @@ class Rerun:
         return replay
 
 
-def with_rerun_graphs(monkeypatch, recorder: Rerun, shapes: list) -> None:
-    """train() with its steps through StepGraphs and `recorder`, one per run; `shapes` gets each batch's."""
-    real, graphs = training_step.queue_step, {}
+def rerun_graphs(recorder: Rerun, shapes: list) -> Parts:
+    """The parts of a run whose steps go through StepGraphs and `recorder`; `shapes` gets each batch's."""
 
-    def queue(run, objective, micro, flags, _graphs=None):
+    def graphs(run, objective):
+        recorder.run, recorder.memory = run, None
+        return StepGraphs(run, objective, record=recorder)
+
+    def queue(run, objective, micro, flags, graphs):
         shapes.extend(tuple(b.src.shape) for b in micro)
-        if id(run) not in graphs:
-            recorder.run, recorder.memory = run, None
-            graphs[id(run)] = StepGraphs(run, objective, record=recorder)
-        return real(run, objective, micro, flags, graphs[id(run)])
+        return queue_step(run, objective, micro, flags, graphs)
 
-    monkeypatch.setattr(loop, "queue_step", queue)
+    return Parts(graphs=graphs, queue_step=queue)
 
 
-def test_steps_of_replays_are_the_eager_steps_bit_for_bit(corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_steps_of_replays_are_the_eager_steps_bit_for_bit(corpus, tmp_path):  # noqa: F811
     """Three bucket shapes over 12 steps of two batches: each shape and the update recorded once, every
     later batch copied into its shape's inputs and replayed; weights, Adam's moments and the schedule
     end as the plain steps leave them."""
     plain = tmp_path / "plain"
     train(compose_config(overrides(corpus, plain, "trainer.max_steps=12", *BUCKETED)))
     recorder, shapes = Rerun(), []
-    with_rerun_graphs(monkeypatch, recorder, shapes)
     graphed = tmp_path / "graphed"
-    train(compose_config(overrides(corpus, graphed, "trainer.max_steps=12", *BUCKETED)))
+    train(
+        compose_config(overrides(corpus, graphed, "trainer.max_steps=12", *BUCKETED)),
+        rerun_graphs(recorder, shapes),
+    )
     assert len(shapes) == 24 and len(set(shapes)) == 3  # shapes repeat: most batches are replays
     assert recorder.recorded == len(set(shapes)) + 1  # a graph per shape and one for the update
     for step in (4, 12):
@@ -88,18 +89,14 @@ def test_steps_of_replays_are_the_eager_steps_bit_for_bit(corpus, tmp_path, monk
         assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == step
 
 
-def test_a_run_resumes_across_graphs_on_and_off(corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_a_run_resumes_across_graphs_on_and_off(corpus, tmp_path):  # noqa: F811
     """Steps 1-4 with graphs, 5-8 without, 9-12 with again: the uninterrupted plain run's weights."""
     plain = tmp_path / "plain"
     train(compose_config(overrides(corpus, plain, "trainer.max_steps=12", *BUCKETED)))
     mixed = overrides(corpus, tmp_path / "mixed", *BUCKETED)
-    with monkeypatch.context() as patch:
-        with_rerun_graphs(patch, Rerun(), [])
-        train(compose_config([*mixed, "trainer.max_steps=4"]))
+    train(compose_config([*mixed, "trainer.max_steps=4"]), rerun_graphs(Rerun(), []))
     train(compose_config([*mixed, "trainer.max_steps=8"]))
-    with monkeypatch.context() as patch:
-        with_rerun_graphs(patch, Rerun(), [])
-        train(compose_config([*mixed, "trainer.max_steps=12"]))
+    train(compose_config([*mixed, "trainer.max_steps=12"]), rerun_graphs(Rerun(), []))
     assert_same_state(
         load_checkpoint(tmp_path / "mixed" / "checkpoints" / "checkpoint_12.pt"),
         load_checkpoint(plain / "checkpoints" / "checkpoint_12.pt"),
@@ -114,32 +111,32 @@ def test_a_run_resumes_across_graphs_on_and_off(corpus, tmp_path, monkeypatch): 
         (("trainer.length_buckets=0",), "length buckets (trainer.length_buckets > 0)"),
     ],
 )
-def test_cuda_graphs_are_refused_first_where_they_cannot_run(corpus, tmp_path, monkeypatch, extra, needs):  # noqa: F811
+def test_cuda_graphs_are_refused_first_where_they_cannot_run(corpus, tmp_path, extra, needs):  # noqa: F811
     """trainer.cuda_graphs=true on a CPU, with a mixture of experts or without length buckets: a
-    ConfigError that names what it needs, before the data loads."""
-    monkeypatch.setattr(loop, "load_corpus", lambda *_: pytest.fail("the data loaded"))
-    args = overrides(corpus, tmp_path, "trainer.cuda_graphs=true", *extra)
+    ConfigError that names what it needs, before the data is prepared."""
+    unprepared = tmp_path / "unprepared"
+    args = overrides(corpus, tmp_path, "trainer.cuda_graphs=true", f"data.dir={unprepared}", *extra)
     with pytest.raises(ConfigError, match=rf"trainer.cuda_graphs=true needs .*{re.escape(needs)}"):
         train(compose_config(args))
+    assert not unprepared.exists()
 
 
 def test_cuda_graphs_are_off_with_ddp_and_refused_when_set():
     """Two processes on CUDA devices: DDP's all-reduce is not recorded (decided without a device)."""
     cfg = compose_config(["trainer.length_buckets=12"])
-    ranks = Runtime(
-        rank=0, world_size=2, device=torch.device("cuda"), dtype=torch.bfloat16, kernels=Kernels()
-    )
-    assert use_cuda_graphs(cfg, ranks, bucketed=True) is False
-    assert use_cuda_graphs(cfg, replace(ranks, world_size=1), bucketed=True) is True
+    ranks = Runtime(rank=0, world_size=2, device=torch.device("cuda"), dtype=torch.bfloat16)
+    buckets = [8, 16]
+    assert Plan(cfg, ranks, resume=None).cuda_graphs(buckets) is False
+    assert Plan(cfg, replace(ranks, world_size=1), resume=None).cuda_graphs(buckets) is True
     cfg = replace(cfg, trainer=replace(cfg.trainer, cuda_graphs=True))
     with pytest.raises(
         ConfigError, match="needs one process, not 2: DDP's gradient all-reduce is not recorded"
     ):
-        use_cuda_graphs(cfg, ranks, bucketed=True)
+        Plan(cfg, ranks, resume=None).cuda_graphs(buckets)
 
 
 def test_cuda_graphs_are_off_by_default_on_a_cpu(corpus, tmp_path, caplog):  # noqa: F811
-    caplog.set_level("INFO", logger="transformer.training.loop")
+    caplog.set_level("INFO", logger="transformer.training.plan")
     train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=1", *BUCKETED)))
     assert "CUDA graphs: off" in caplog.text
 
@@ -162,7 +159,7 @@ def test_on_a_gpu_graphed_steps_train_as_eager_ones(corpus, tmp_path, caplog):  
     """30 steps with and without CUDA graphs (dropout off: the same math): each step's loss within bf16
     noise, and the weights they end with."""
     _cuda_or_skip()
-    caplog.set_level("INFO", logger="transformer.training.loop")
+    caplog.set_level("INFO", logger="transformer.training.plan")
     losses, weights = {}, {}
     for graphs in ("true", "false"):
         run_dir = tmp_path / graphs
@@ -196,11 +193,11 @@ def test_on_a_gpu_a_graphed_run_resumes_with_graphs_off_and_on(corpus, tmp_path)
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_step_of_replays_does_not_wait_for_the_device(corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_on_a_gpu_a_step_of_replays_does_not_wait_for_the_device(corpus, tmp_path):  # noqa: F811
     """Once every shape of a step was recorded, queueing it is copies and replays: CUDA's own check
     finds nothing that waits."""
     _cuda_or_skip()
-    real, seen, strict = training_step.queue_step, set(), []
+    seen, strict = set(), []
 
     def queue(run, objective, micro, flags, graphs=None):
         shapes = {tuple(b.src.shape) for b in micro}
@@ -208,11 +205,10 @@ def test_on_a_gpu_a_step_of_replays_does_not_wait_for_the_device(corpus, tmp_pat
         seen.update(shapes)
         torch.cuda.set_sync_debug_mode("error" if checked else "default")
         try:
-            return real(run, objective, micro, flags, graphs)
+            return queue_step(run, objective, micro, flags, graphs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             strict.append(checked)
 
-    monkeypatch.setattr(loop, "queue_step", queue)
-    train(compose_config(overrides(corpus, tmp_path, *GPU, "trainer.max_steps=20")))
+    train(compose_config(overrides(corpus, tmp_path, *GPU, "trainer.max_steps=20")), Parts(queue_step=queue))
     assert sum(strict) >= 10

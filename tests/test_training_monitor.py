@@ -52,11 +52,11 @@ def test_logged_scalars_are_interval_means_and_the_peak_gpu_memory(tmp_path, mon
     peak_of = {torch.device("cuda", 1): 3 * 2**30}  # the card the run is on; no other
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak_of.get(device, 0))
     clock = iter([0.0, 1.0, 3.0])  # construction, step 1, step 2: the interval took 3 s
-    monkeypatch.setattr(monitor.time, "perf_counter", lambda: next(clock))
     step = {"nll": 1.0, "lr": 1e-3, "grad_norm": 2.0, "flops": 6e12}
+    device = torch.device("cuda", 1)
     with (
         caplog.at_level(logging.INFO),
-        monitor.Monitor(tmp_path, True, False, (0, 10), 2, torch.device("cuda", 1), 1e12) as watch,
+        monitor.Monitor(tmp_path, True, False, (0, 10), 2, device, 1e12, clock=lambda: next(clock)) as watch,
     ):
         watch.step(1, {**step, "loss": 2.0, "tokens": 100.0})
         watch.step(2, {**step, "loss": 4.0, "tokens": 200.0, "lr": 3e-3})

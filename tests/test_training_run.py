@@ -13,7 +13,6 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from transformer import config
 from transformer.checkpoint import (
     CheckpointError,
     average_checkpoints,
@@ -34,14 +34,12 @@ from transformer.config import INIT_SCHEMES, ConfigError, ModelConfig, TrainConf
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.dataset import ShardDataset
 from transformer.data.prepare import prepare
-from transformer.training import TrainingStopped, loop, policy, state, train
-from transformer.training import corpus as corpus_module
+from transformer.training import Parts, TrainingStopped, policy, train
 from transformer.training import loss as loss_module
-from transformer.training import step as training_step
-from transformer.training.loss import smoothed_cross_entropy
 from transformer.training.monitor import Monitor
 from transformer.training.schedule import inverse_sqrt_lr
-from transformer.training.step import grad_norm
+from transformer.training.state import Run
+from transformer.training.step import finish_step, grad_norm, queue_step
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -102,6 +100,29 @@ def compose_config(args: list[str]) -> TrainConfig:
     return from_dict(TrainConfig, OmegaConf.to_container(cfg, resolve=True))
 
 
+def watching(observe) -> type[Monitor]:
+    """A Monitor that hands each step's number and statistics to observe(n, stats) after logging them."""
+
+    class Watching(Monitor):
+        def step(self, n, stats):
+            super().step(n, stats)
+            observe(n, stats)
+
+    return Watching
+
+
+def signal_at(*steps: int) -> type[Monitor]:
+    """A Monitor that sends this process SIGTERM after each of `steps`, once each."""
+    pending = list(steps)
+
+    def observe(n, _stats):
+        if pending and n == pending[0]:
+            pending.pop(0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return watching(observe)
+
+
 def assert_same_state(a: dict, b: dict) -> None:
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
@@ -122,15 +143,14 @@ def uninterrupted(corpus, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_saving_the_best_checkpoint_does_not_postpone_the_timed_checkpoints(corpus, tmp_path, monkeypatch):
+def test_saving_the_best_checkpoint_does_not_postpone_the_timed_checkpoints(corpus, tmp_path):
     """trainer.save_every_minutes (§6.1: every 10 minutes) counts from the last numbered checkpoint: a
     validation that writes only checkpoint_best.pt, a step apart, is no resume point. A clock that moves
     a second each time it is read: numbered checkpoints every few steps, not only after the last."""
     seconds = itertools.count()
-    monkeypatch.setattr(policy, "time", SimpleNamespace(monotonic=lambda: float(next(seconds))))
     args = ["trainer.max_steps=12", "trainer.save_every_minutes=0.1", "trainer.save_every_steps=0"]
     args += ["trainer.eval_every_steps=1", "trainer.keep_last=12"]
-    train(compose_config(overrides(corpus, tmp_path, *args)))
+    train(compose_config(overrides(corpus, tmp_path, *args)), Parts(clock=lambda: float(next(seconds))))
     assert (tmp_path / "checkpoints" / "checkpoint_best.pt").is_file()
     assert len(list_checkpoints(tmp_path)) >= 2
 
@@ -176,26 +196,14 @@ def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(
     assert list_checkpoints(tmp_path) == []
 
 
-def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(
-    corpus, uninterrupted, tmp_path, monkeypatch
-):
+def test_a_resumed_run_takes_its_own_optim_settings_from_the_first_update(corpus, uninterrupted, tmp_path):
     """After a divergence the README says: lower optim.lr_scale (or raise warmup_steps) and resume. The
     resumed run's settings, not those saved with Adam's state, make the very next update."""
     rates = {}
-    record = Monitor.step
-
-    def step(self, step, stats):
-        rates[step] = stats["lr"]
-        record(self, step, stats)
-
-    monkeypatch.setattr(Monitor, "step", step)
     start = uninterrupted / "checkpoints" / "checkpoint_7.pt"
     changed = ["optim.lr_scale=0.5", "optim.warmup_steps=20", "optim.beta2=0.9", "optim.weight_decay=0.01"]
-    train(
-        compose_config(
-            overrides(corpus, tmp_path, "trainer.max_steps=9", f"trainer.resume={start}", *changed)
-        )
-    )
+    args = overrides(corpus, tmp_path, "trainer.max_steps=9", f"trainer.resume={start}", *changed)
+    train(compose_config(args), Parts(monitor=watching(lambda n, stats: rates.update({n: stats["lr"]}))))
     d_model = 32
     assert rates == {s: pytest.approx(inverse_sqrt_lr(s, d_model, 20, 0.5)) for s in (8, 9)}
     final = load_checkpoint(tmp_path / "checkpoints" / "checkpoint_9.pt")
@@ -246,7 +254,7 @@ def test_a_checkpoint_from_before_buckets_resumes_onto_the_batches_it_had(
     old = load_checkpoint(uninterrupted / "checkpoints" / "checkpoint_7.pt")
     del old["batching"], old["kernels"]
     write_checkpoint(old, tmp_path / "old.pt")
-    monkeypatch.setitem(corpus_module.LENGTH_BUCKETS, "cpu", 3)
+    monkeypatch.setitem(config.LENGTH_BUCKETS, "cpu", 3)
     train(
         compose_config(
             overrides(
@@ -377,6 +385,34 @@ def test_resuming_another_model_is_refused_before_the_data_is_prepared(corpus, t
     assert not fresh.exists()
 
 
+def test_resuming_onto_a_corpus_of_another_vocabulary_is_refused_before_any_step(corpus, tmp_path):
+    """The vocabulary's size is the prepared corpus's: compared with the checkpoint's once it is read."""
+    train(compose_config(overrides(corpus, tmp_path / "run", "trainer.max_steps=2")))
+    other = overrides(corpus, tmp_path / "run", "trainer.max_steps=4", "data.vocab_size=60")
+    other.append(f"data.dir={tmp_path / 'data60'}")
+    with pytest.raises(
+        ConfigError, match=r"checkpoint_2.pt holds a model with other settings \(vocab_size\)"
+    ):
+        train(compose_config(other))
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint_2.pt"]
+
+
+def test_the_plan_is_logged_once_before_the_data_and_once_with_it(corpus, tmp_path, caplog):
+    """What the settings and the checkpoint decide (device, kernels, resume point, batch budget), then
+    what the data decides (vocabulary, buckets, CUDA graphs): one line each, the first before the data
+    is prepared."""
+    args = overrides(corpus, tmp_path, "trainer.max_steps=2", f"data.dir={tmp_path / 'prepared'}")
+    with caplog.at_level(logging.INFO, logger="transformer"):
+        train(compose_config(args))
+    plan = [r.getMessage() for r in caplog.records if r.name == "transformer.training.plan"]
+    assert len(plan) == 2 and plan[0].startswith("plan: ") and plan[1].startswith("data: ")
+    assert "on cpu x1 (float32; CPU kernels: " in plan[0] and "from step 0" in plan[0]
+    assert "vocabulary 64; length buckets: none; CUDA graphs: off" in plan[1]
+    prepared = [i for i, r in enumerate(caplog.records) if r.name.startswith("transformer.data")]
+    starts = [i for i, r in enumerate(caplog.records) if r.getMessage().startswith("plan: ")]
+    assert prepared and starts[0] < prepared[0]  # decided before any data work
+
+
 def test_going_back_to_an_earlier_checkpoint_sets_the_later_last_and_best_aside(corpus, tmp_path):
     """trainer.resume=<an earlier file>: the checkpoints of the abandoned steps, checkpoint_last.pt and a
     later checkpoint_best.pt among them, are set aside, so a kill before the next save resumes the
@@ -428,7 +464,7 @@ def test_sigterm_during_a_compile_stops_at_once_and_keeps_the_last_checkpoint(co
     output = ""
     for line in process.stdout:  # the start line: the first step, and its compile, come next
         output += line
-        if "length buckets" in line:
+        if "training steps" in line:
             break
     process.send_signal(signal.SIGTERM)
     output += process.communicate(timeout=60)[0]
@@ -463,75 +499,47 @@ def test_a_signal_saves_then_holds_every_rank_until_rank_0_wrote_then_raises(cor
     """train() raises TrainingStopped after the checkpoint; a rank that exited while rank 0 still wrote
     would make torchrun stop (and kill) rank 0, so every rank first waits for it."""
     events = []
-    save, monitor_step = state.Run.save, Monitor.step
 
     def saving(run, *args):
-        save(run, *args)
+        Run.save(run, *args)
         events.append(("saved", run.step))
 
-    def signalled_at_step_2(monitor, n, stats):
-        monitor_step(monitor, n, stats)
-        if n == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(state.Run, "save", saving)
-    monkeypatch.setattr(Monitor, "step", signalled_at_step_2)
     monkeypatch.setattr(policy, "wait_for_main", lambda runtime: events.append(("waited", None)))
+    args = overrides(corpus, tmp_path, "trainer.max_steps=1000", "trainer.eval_every_steps=0")
     with pytest.raises(TrainingStopped, match=r"stopped at step \d+ by SIGTERM") as stopped:
-        train(
-            compose_config(
-                overrides(corpus, tmp_path, "trainer.max_steps=1000", "trainer.eval_every_steps=0")
-            )
-        )
+        train(compose_config(args), Parts(monitor=signal_at(2), save=saving))
     assert stopped.value.exit_status == 128 + signal.SIGTERM and stopped.value.step >= 2
     assert events[-2:] == [("saved", stopped.value.step), ("waited", None)]
     assert load_checkpoint(list_checkpoints(tmp_path)[-1])["step"] == stopped.value.step
 
 
-def test_a_signal_during_the_last_step_stops_after_its_checkpoint(corpus, tmp_path, monkeypatch):
+def test_a_signal_during_the_last_step_stops_after_its_checkpoint(corpus, tmp_path):
     """The stop is honoured (status 143 from train.py) and the finish stage is left to the next start,
     which has nothing left to train."""
-    step = Monitor.step
-
-    def signalled_at_step_3(monitor, n, stats):
-        step(monitor, n, stats)
-        if n == 3:  # the last step's update is done; its checkpoint not yet written
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(Monitor, "step", signalled_at_step_3)
     args = overrides(corpus, tmp_path, "trainer.max_steps=3")
     with pytest.raises(TrainingStopped, match=r"stopped at step 3 by SIGTERM"):
-        train(compose_config(args))
+        # after the last step's update, before its checkpoint
+        train(compose_config(args), Parts(monitor=signal_at(3)))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_3.pt"]
-    monkeypatch.setattr(Monitor, "step", step)
     assert train(compose_config(args)) == tmp_path  # nothing left: on to the finish stage
 
 
 def test_a_stopped_and_resumed_run_keeps_and_averages_the_checkpoints_of_an_uninterrupted_one(
-    corpus, uninterrupted, tmp_path, monkeypatch
+    corpus, uninterrupted, tmp_path
 ):
     """Signals stop the runs after steps 6 (an interim checkpoint), 8 (a due one) and 10 (interim); a
     resumed run's next checkpoint replaces the interim one it resumed from, so that none takes a
     keep_last place or enters the average."""
-    step = Monitor.step
-    signal_at = [5, 7, 9]  # a signal during step n stops the run after step n + 1
-
-    def signalled(monitor, n, stats):
-        step(monitor, n, stats)
-        if signal_at and n == signal_at[0]:
-            signal_at.pop(0)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(Monitor, "step", signalled)
+    parts = Parts(monitor=signal_at(5, 7, 9))  # a signal during step n stops the run after step n + 1
     args = overrides(
         corpus, tmp_path, "trainer.max_steps=12", "trainer.save_every_steps=4", "trainer.keep_last=2"
     )
     names = []
     for _ in range(3):
         with pytest.raises(TrainingStopped):
-            train(compose_config(args))
+            train(compose_config(args), parts)
         names.append([p.name for p in list_checkpoints(tmp_path)])
-    train(compose_config(args))
+    train(compose_config(args), parts)
     assert names == [[f"checkpoint_{n}.pt" for n in pair] for pair in ((4, 6), (4, 8), (8, 10))]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_8.pt", "checkpoint_12.pt"]
     reference = average_checkpoints([uninterrupted / "checkpoints" / f"checkpoint_{n}.pt" for n in (8, 12)])
@@ -593,20 +601,16 @@ def test_a_run_resumes_from_its_last_checkpoint_when_the_numbered_ones_are_unrea
     assert all(p.read_bytes() == b"PK\x03\x04 cut short" for p in directory.iterdir())  # none overwritten
 
 
-def test_trainer_threads_sets_the_cpu_threads_of_the_run(corpus, tmp_path, monkeypatch):
-    seen, step = [], Monitor.step
-
-    def counting(monitor, n, stats):
-        seen.append(torch.get_num_threads())
-        step(monitor, n, stats)
-
-    monkeypatch.setattr(Monitor, "step", counting)
+def test_trainer_threads_sets_the_cpu_threads_of_the_run(corpus, tmp_path):
+    seen = []
+    parts = Parts(monitor=watching(lambda n, stats: seen.append(torch.get_num_threads())))
     before = torch.get_num_threads()
     try:
         train(
             compose_config(
                 overrides(corpus, tmp_path, "trainer.max_steps=2", f"trainer.threads={before + 1}")
-            )
+            ),
+            parts,
         )
     finally:
         torch.set_num_threads(before)
@@ -683,35 +687,38 @@ def test_sweep_gives_each_job_its_own_run_directory(corpus, tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
-def nan_on_calls(bad):
-    """The label-smoothed loss, NaN at the calls numbered in `bad` (from 1; one call per batch)."""
-    calls = {"n": 0}
+class Faulty(torch.nn.Module):
+    """The training objective, whose loss is NaN (or which raises `error`) at the calls numbered in `bad`
+    (from 1; one call per batch), for Parts(objective=...)."""
 
-    def patched(*args):
-        calls["n"] += 1
-        loss, nll = smoothed_cross_entropy(*args)
-        return (loss * float("nan"), nll) if calls["n"] in bad else (loss, nll)
+    def __init__(self, objective: torch.nn.Module, bad, error: Exception | None = None) -> None:
+        super().__init__()
+        self.objective, self.bad, self.error, self.calls = objective, bad, error, 0
 
-    return patched
+    def forward(self, *batch):
+        self.calls += 1
+        if self.calls in self.bad and self.error is not None:
+            raise self.error
+        loss, nll, figures = self.objective(*batch)
+        return (loss * float("nan") if self.calls in self.bad else loss), nll, figures
 
 
-def test_nonfinite_loss_skips_the_update_and_stops_the_run_when_it_persists(
-    corpus, tmp_path, monkeypatch, caplog
-):
+def nan_on_calls(bad) -> Parts:
+    return Parts(objective=lambda objective: Faulty(objective, bad))
+
+
+def test_nonfinite_loss_skips_the_update_and_stops_the_run_when_it_persists(corpus, tmp_path, caplog):
     from transformer.training import TrainingError
-    from transformer.training import loss as loss_module
 
     args = overrides(corpus, tmp_path / "once", "trainer.max_steps=3", "trainer.eval_every_steps=0")
-    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls({3}))  # step 2, first batch
     with caplog.at_level(logging.WARNING):
-        train(compose_config(args))
+        train(compose_config(args), nan_on_calls({3}))  # step 2, first batch
     assert "non-finite" in caplog.text and "update skipped (1 in a row)" in caplog.text
     assert load_checkpoint(tmp_path / "once" / "checkpoints" / "checkpoint_3.pt")["step"] == 3
 
     args = overrides(corpus, tmp_path / "always", "trainer.max_steps=5", "trainer.max_nonfinite_steps=2")
-    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls(range(1000)))
     with pytest.raises(TrainingError, match="2 non-finite updates in a row"):
-        train(compose_config(args))
+        train(compose_config(args), nan_on_calls(range(1000)))
 
 
 class _AttentionKernels(TorchDispatchMode):
@@ -754,15 +761,11 @@ class _NoDeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_nothing(
-    corpus, tmp_path, monkeypatch
-):
+def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_nothing(corpus, tmp_path):
     """Forward, backward, gradient norm and update are queued with no host read (the one read, after
-    the next batches are prepared, is `_finish_step`'s); a non-finite step leaves the weights and
-    Adam's state bitwise as they were, and the schedule where it was."""
-    from transformer.training import loss as loss_module
-
-    real_queue, real_finish, before, skipped = loop.queue_step, loop.finish_step, {}, []
+    the next batches are prepared, is `finish_step`'s); a non-finite step leaves the weights and Adam's
+    state bitwise as they were, and the schedule where it was."""
+    before, skipped = {}, []
 
     def queue(run, *args):
         before["model"] = {k: v.clone() for k, v in run.model.state_dict().items()}
@@ -772,12 +775,12 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
         torch.Tensor.tolist = lambda _t: pytest.fail("a host read of a device value")
         try:
             with _NoDeviceReads():
-                return real_queue(run, *args)
+                return queue_step(run, *args)
         finally:
             torch.Tensor.tolist = tolist
 
     def finish(run, *args):
-        stats = real_finish(run, *args)
+        stats = finish_step(run, *args)
         if not stats[0]["finite"]:
             skipped.append(run.step)
             for name, tensor in run.model.state_dict().items():
@@ -788,54 +791,53 @@ def test_a_step_is_queued_without_reading_the_device_and_a_skipped_one_changes_n
             assert (run.optimizer.param_groups[0]["lr"], run.step) == (before["lr"], before["step"])
         return stats
 
-    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", nan_on_calls({3}))
-    monkeypatch.setattr(loop, "queue_step", queue)
-    monkeypatch.setattr(loop, "finish_step", finish)
-    train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3", "trainer.eval_every_steps=0")))
+    parts = Parts(queue_step=queue, finish_step=finish, objective=nan_on_calls({3}).objective)
+    train(
+        compose_config(overrides(corpus, tmp_path, "trainer.max_steps=3", "trainer.eval_every_steps=0")),
+        parts,
+    )
     assert skipped == [1]  # the second step (first batch of two) was skipped, after one finite step
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_a_step_is_queued_without_waiting_for_the_device(corpus, tmp_path, monkeypatch):
+def test_on_a_gpu_a_step_is_queued_without_waiting_for_the_device(corpus, tmp_path):
     """CUDA's own check around every `queue_step` (bf16 autocast, as a GPU run trains; without CUDA
     graphs, whose recordings wait: test_training_graphs has theirs): no call in it waits for the device,
     so the host reads the next batches while the step runs."""
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    real, queued = loop.queue_step, []
+    queued = []
 
     def strict(*args):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return real(*args)
+            return queue_step(*args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             queued.append(True)
 
-    monkeypatch.setattr(loop, "queue_step", strict)
     args = [
         "trainer.max_steps=3",
         "trainer.eval_every_steps=0",
         "trainer.device=cuda",
         "trainer.cuda_graphs=false",
     ]
-    train(compose_config(overrides(corpus, tmp_path, *args, "trainer.precision=bf16")))
+    train(
+        compose_config(overrides(corpus, tmp_path, *args, "trainer.precision=bf16")), Parts(queue_step=strict)
+    )
     assert len(queued) == 3
 
 
-def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path, monkeypatch):
+def test_out_of_memory_names_the_batch_and_the_setting(corpus, tmp_path):
     from transformer.training import TrainingError
-    from transformer.training import loss as loss_module
 
-    def out_of_memory(*_args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-
-    monkeypatch.setattr(loss_module, "smoothed_cross_entropy", out_of_memory)
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    parts = Parts(objective=lambda objective: Faulty(objective, {1}, out_of_memory))
     with pytest.raises(
         TrainingError, match=r"batch of src \(\d+, \d+\).*lower trainer.max_tokens \(now 500\)"
     ):
-        train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=2")))
+        train(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=2")), parts)
 
 
 def test_compiled_training_compiles_each_region_once_for_all_batch_shapes_and_matches_eager(
@@ -847,13 +849,17 @@ def test_compiled_training_compiles_each_region_once_for_all_batch_shapes_and_ma
     from torch._dynamo.utils import counters
 
     shapes = set()
-    real = training_step.forward_backward
 
-    def recording(objective, batch, *args):
-        shapes.add((tuple(batch.src.shape), tuple(batch.tgt_in.shape)))
-        return real(objective, batch, *args)
+    class Recording(torch.nn.Module):  # the training batches' shapes (validations run without gradients)
+        def __init__(self, objective):
+            super().__init__()
+            self.objective = objective
 
-    monkeypatch.setattr(training_step, "forward_backward", recording)
+        def forward(self, src, tgt_in, tgt_out):
+            if torch.is_grad_enabled():
+                shapes.add((tuple(src.shape), tuple(tgt_in.shape)))
+            return self.objective(src, tgt_in, tgt_out)
+
     monkeypatch.setattr(loss_module, "CHUNK_ROWS", 128)  # the batches' rows: 3 or 4 times that
     args = ["trainer.max_steps=8", "trainer.eval_every_steps=4", "trainer.bleu_every_steps=4"]
     args.append("model.dropout=0")
@@ -863,11 +869,10 @@ def test_compiled_training_compiles_each_region_once_for_all_batch_shapes_and_ma
         counters.clear()
         caplog.clear()
         with caplog.at_level(logging.INFO):
-            train(
-                compose_config(
-                    overrides(corpus, tmp_path / str(compiled), *args, f"trainer.compile={compiled}")
-                )
+            cfg = compose_config(
+                overrides(corpus, tmp_path / str(compiled), *args, f"trainer.compile={compiled}")
             )
+            train(cfg, Parts(objective=Recording))
         valid[compiled] = [
             float(m.split("valid loss ")[1].split(",")[0]) for m in caplog.messages if "valid loss" in m
         ]

@@ -40,12 +40,13 @@ import secrets
 import shutil
 import zipfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from transformer.config import ModelConfig, from_dict
+from transformer.config import ConfigError, ModelConfig, from_dict, to_dict
 from transformer.model import Transformer
 from transformer.utils import atomic
 from transformer.utils.atomic import TEMP_SUFFIX
@@ -292,6 +293,18 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None
             "trainer.run_dir"
         )
     return None
+
+
+def check_same_model(model: ModelConfig, path: Path, ckpt: dict[str, Any], but: tuple[str, ...] = ()) -> None:
+    """Refuse to resume from `ckpt` (at path) a model of other settings than `model` (its initialisation
+    and the keys `but` aside)."""
+    mine = to_dict(replace(model, init=ckpt["model_config"]["init"]))
+    changed = sorted(k for k in mine if k not in but and ckpt["model_config"].get(k) != mine[k])
+    if changed:
+        raise ConfigError(
+            f"{path} holds a model with other settings ({', '.join(changed)}); "
+            "set trainer.run_dir to a new directory, or trainer.resume=<checkpoint of this model>"
+        )
 
 
 def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:

@@ -220,6 +220,12 @@ class DataConfig(Settings):
             )
         super().check()
 
+    @property
+    def split_names(self) -> dict[str, str]:
+        """role -> the split's name in the source, in the order train, valid, test."""
+        names = self.local_splits if self.source == "local" and self.local_splits is not None else self.splits
+        return {role: names[role] for role in ROLES if role in names}
+
 
 @dataclass
 class OptimConfig(Settings):
@@ -472,6 +478,38 @@ class TrainConfig(Settings):
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     finish: FinishConfig = field(default_factory=FinishConfig)
+
+    def check(self) -> None:
+        """What one section asks of another: validations of a valid split the corpus has, a finish
+        stage that evaluates a split it has and averages checkpoints the run keeps."""
+        trainer, finish, roles = self.trainer, self.finish, self.data.split_names
+        if "valid" not in roles:
+            needs = [f"trainer.{k}={getattr(trainer, k)}" for k in ("bleu_every_steps", "patience")]
+            needs = [need for need, on in zip(needs, (trainer.bleu_every_steps, trainer.patience)) if on]
+            needs += ["trainer.best_metric=bleu"] if trainer.best_metric == "bleu" else []
+            if needs:
+                raise ConfigError(
+                    f"{', '.join(needs)}: validations on the 'valid' split, which data {self.data.name} "
+                    "does not have; add one (data.splits.valid) or turn these off"
+                )
+        if finish.evaluate_split is not None and finish.evaluate_split not in roles:
+            raise ConfigError(
+                f"finish.evaluate_split={finish.evaluate_split}: data {self.data.name} has no "
+                f"'{finish.evaluate_split}' split (it has: {', '.join(roles)}); choose another or "
+                "finish.evaluate_split=null"
+            )
+        if finish.average_last > trainer.keep_last:
+            raise ConfigError(
+                f"finish.average_last={finish.average_last} averages more checkpoints than "
+                f"trainer.keep_last={trainer.keep_last} keeps: raise keep_last or lower average_last"
+            )
+        if finish.average_last > 1 and not (trainer.save_every_steps or trainer.save_every_minutes):
+            raise ConfigError(
+                f"finish.average_last={finish.average_last}: with trainer.save_every_steps and "
+                "trainer.save_every_minutes both 0 only the last step is saved; set one of them, or "
+                "finish.average_last=0"
+            )
+        super().check()
 
 
 @dataclass

@@ -31,9 +31,9 @@ from harness.peers import TorchTransformerPeer
 from transformer.checkpoint import load_checkpoint
 from transformer.config import DataConfig, ModelConfig, TrainerConfig, from_dict
 from transformer.data.batching import TokenBudgetBatchSampler
+from transformer.data.corpus import batches_forever
 from transformer.data.dataset import ShardDataset, load_meta
 from transformer.data.prepare import prepare
-from transformer.training.corpus import batches_forever
 from transformer.training.profile import Profiler
 
 ROOT = Path(__file__).resolve().parents[2]

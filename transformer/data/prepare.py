@@ -32,7 +32,7 @@ from transformer.data.binarize import (
     shard_dtype,
     shard_files,
 )
-from transformer.data.sources import DataError, Split, load_splits, split_names
+from transformer.data.sources import DataError, Split, load_splits
 from transformer.utils import atomic
 from transformer.utils.atomic import remove_temp_files
 from transformer.vocab import SPECIAL_IDS
@@ -105,7 +105,7 @@ def _fresh_meta(cfg: DataConfig, config: dict[str, Any]) -> dict[str, Any]:
         "name": cfg.name,
         "src_lang": cfg.src_lang,
         "tgt_lang": cfg.tgt_lang,
-        "split_names": split_names(cfg),  # role -> the split's name in the source
+        "split_names": cfg.split_names,  # role -> the split's name in the source
         "vocab_size": None,
         "dtype": None,
         "special_ids": dict(SPECIAL_IDS),

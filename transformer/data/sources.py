@@ -8,6 +8,7 @@ sides of different lengths, invalid UTF-8, each reported with the file (and line
 
 from __future__ import annotations
 
+import copy
 import gzip
 import zlib
 from dataclasses import dataclass
@@ -16,9 +17,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from transformer.config import DataConfig
+from transformer.config import ConfigError, DataConfig
 
-ROLES = ("train", "valid", "test")
 _READ_BLOCK_BYTES = 1 << 22  # read about 4 MB of lines at a time: fast, and a bounded memory spike
 _HF_BATCH = 100_000
 
@@ -38,16 +38,20 @@ class Split:
     origin: str  # where the text came from, for messages
 
 
-def split_names(cfg: DataConfig) -> dict[str, str]:
-    """role -> the split's name in the source, in the order train, valid, test."""
-    names = cfg.local_splits if cfg.source == "local" and cfg.local_splits is not None else cfg.splits
-    return {role: names[role] for role in ROLES if role in names}
-
-
 def load_splits(cfg: DataConfig) -> dict[str, Split]:
     """Every configured split of the corpus, stripped of surrounding whitespace; nothing dropped yet."""
     readers = {"local": _read_local, "hf": _read_hf, "toy": _read_toy}
     return readers[cfg.source](cfg)
+
+
+def read_split(cfg: DataConfig, role: str) -> Split:
+    """The raw source and reference text of one split (role), reading only that split."""
+    names = cfg.split_names
+    if role not in names:
+        raise ConfigError(f"data {cfg.name} has no '{role}' split; it has: {', '.join(names)}")
+    only = copy.copy(cfg)  # the same corpus, asked for one split (no validation: 'train' is left out)
+    only.splits, only.local_splits = {role: names[role]}, None
+    return load_splits(only)[role]
 
 
 # --------------------------------------------------------------------------------------------- local
@@ -58,7 +62,7 @@ def _read_local(cfg: DataConfig) -> dict[str, Split]:
     if not directory.is_dir():
         raise DataError(f"data.path={cfg.path} is not a directory")
     splits = {}
-    for role, name in split_names(cfg).items():
+    for role, name in cfg.split_names.items():
         src_path = _find_file(directory, name, cfg.src_lang, role)
         tgt_path = _find_file(directory, name, cfg.tgt_lang, role)
         src, tgt = read_lines(src_path), read_lines(tgt_path)
@@ -153,7 +157,7 @@ def _read_hf(cfg: DataConfig) -> dict[str, Split]:
     if not isinstance(corpus, datasets.DatasetDict):
         raise DataError(f"{where} holds a single dataset; it must be a DatasetDict with named splits")
     splits = {}
-    for role, name in split_names(cfg).items():
+    for role, name in cfg.split_names.items():
         if name not in corpus:
             raise DataError(
                 f"{where} has no split {name!r} (data.splits.{role}); it has: {', '.join(corpus.keys())}"
@@ -197,7 +201,7 @@ def _read_toy(cfg: DataConfig) -> dict[str, Split]:
     corpus = generate_splits(toy.n_train, toy.n_valid, toy.n_test, toy.seed)
     english_first = cfg.src_lang == "en"  # the generator yields (english, german) pairs
     splits = {}
-    for role, name in split_names(cfg).items():
+    for role, name in cfg.split_names.items():
         if name not in corpus:
             raise DataError(
                 f"the toy corpus has no split {name!r} (data.splits.{role}); it has: {sorted(corpus)}"

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import re
@@ -29,8 +28,8 @@ import torch
 from sacrebleu.metrics import BLEU
 from sacremoses import MosesTokenizer
 
-from transformer.config import ConfigError, DataConfig, EvaluateConfig, to_dict
-from transformer.data.sources import Split, load_splits, split_names
+from transformer.config import EvaluateConfig, to_dict
+from transformer.data.sources import read_split
 from transformer.inference.translation import Translator
 from transformer.utils import atomic
 
@@ -181,16 +180,6 @@ def report(scores: dict[str, Bleu], data_name: str, role: str) -> dict[str, obje
 def wants_lowercase(data_name: str, role: str) -> bool:
     """Score lowercased too where the published figures for this corpus are lowercased."""
     return any(figure.metric == "tokenized_lowercase" for figure in published(data_name, role))
-
-
-def read_split(cfg: DataConfig, role: str) -> Split:
-    """The raw source and reference text of one split (role), reading only that split."""
-    names = split_names(cfg)
-    if role not in names:
-        raise ConfigError(f"data {cfg.name} has no '{role}' split; it has: {', '.join(names)}")
-    only = copy.copy(cfg)  # the same corpus, asked for one split (no validation: 'train' is left out)
-    only.splits, only.local_splits = {role: names[role]}, None
-    return load_splits(only)[role]
 
 
 def _search_name(cfg: EvaluateConfig, models: int, bf16: bool) -> str:

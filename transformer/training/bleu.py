@@ -7,41 +7,21 @@ hypotheses of each validation go beside the checkpoints: `valid_step<N>.hyp.<lan
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 from transformer.checkpoint import checkpoint_dir
-from transformer.config import DecodeConfig, TrainConfig, to_dict
+from transformer.config import DecodeConfig, to_dict
+from transformer.data.sources import Split
 from transformer.data.tokenizer import Tokenizer
-from transformer.inference.evaluation import published, read_split, score_all, wants_lowercase
+from transformer.inference.evaluation import published, score_all, wants_lowercase
 from transformer.inference.translation import Translator
 from transformer.training.state import Run
 from transformer.utils import atomic
 
 
-@dataclass
-class ValidText:
-    """The valid split's raw text and how to score it."""
-
-    sources: list[str]
-    references: list[str]
-    lang: str
-    lowercase: bool
-    metric: str  # the key of score_all's result logged as valid/bleu
-
-
-def load_valid_text(cfg: TrainConfig) -> ValidText:
-    """The first `trainer.bleu_sentences` (0: all) sentences of the corpus's valid split."""
-    split = read_split(cfg.data, "valid")
-    n = cfg.trainer.bleu_sentences or len(split.src)
-    figures = published(cfg.data.name, "test") or published(cfg.data.name, "valid")
-    metric = figures[0].metric if figures else "tokenized"
-    lowercase = wants_lowercase(cfg.data.name, "test") or metric == "tokenized_lowercase"
-    return ValidText(split.src[:n], split.tgt[:n], cfg.data.tgt_lang, lowercase, metric)
-
-
-def valid_bleu(run: Run, text: ValidText) -> dict[str, float]:
-    """{"bleu": the corpus's metric, "sacrebleu": ...} of the live model at this step."""
+def valid_bleu(run: Run, text: Split) -> dict[str, float]:
+    """{"bleu": the corpus's metric, "sacrebleu": ...} of the live model at this step, on `text`: the
+    first `trainer.bleu_sentences` sentences of the valid split (`corpus.read_corpus`)."""
     checkpoint, device, search = str(run.run_dir), str(run.runtime.device), to_dict(run.cfg.finish.search)
     # the weights stay as they train (fp32), the search in dynamic shapes
     cfg = DecodeConfig(checkpoint=checkpoint, device=device, precision="fp32", cuda_graphs=False, **search)
@@ -49,11 +29,15 @@ def valid_bleu(run: Run, text: ValidText) -> dict[str, float]:
     run.model.eval()
     try:  # bf16 autocast on CUDA; a CPU decodes fastest in fp32 with its kernels
         with run.runtime.autocast() if run.runtime.device.type == "cuda" else nullcontext():
-            hypotheses = translator.translate(text.sources)
+            hypotheses = translator.translate(text.src)
     finally:
         run.model.train()
-    scores = score_all(hypotheses, text.references, text.lang, text.lowercase)
-    path = checkpoint_dir(run.run_dir) / f"valid_step{run.step}.hyp.{text.lang}"
+    data = run.cfg.data
+    figures = published(data.name, "test") or published(data.name, "valid")
+    metric = figures[0].metric if figures else "tokenized"  # the corpus's published one
+    lowercase = wants_lowercase(data.name, "test") or metric == "tokenized_lowercase"
+    scores = score_all(hypotheses, text.tgt, data.tgt_lang, lowercase)
+    path = checkpoint_dir(run.run_dir) / f"valid_step{run.step}.hyp.{data.tgt_lang}"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic.write_bytes(path, "".join(h + "\n" for h in hypotheses).encode("utf-8"))
-    return {"bleu": scores[text.metric].score, "sacrebleu": scores["sacrebleu"].score}
+    return {"bleu": scores[metric].score, "sacrebleu": scores["sacrebleu"].score}

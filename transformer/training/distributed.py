@@ -18,7 +18,7 @@ from __future__ import annotations
 import gc
 import os
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -43,7 +43,7 @@ class Runtime:
     world_size: int
     device: torch.device
     dtype: torch.dtype  # torch.bfloat16 under autocast, or torch.float32
-    kernels: Kernels  # handed to the model and the loss
+    kernels: Kernels = field(default_factory=Kernels)  # the CPU kernels, the plan's choice
     prepare_group: dist.ProcessGroup | None = None  # a gloo group with a long timeout, for data prep
 
     @property
@@ -59,7 +59,8 @@ class Runtime:
 
 
 def init_runtime(cfg: TrainerConfig) -> Runtime:
-    """Pick the device, precision and CPU threads, and join the process group when launched by torchrun."""
+    """Pick the device, precision and CPU threads, and join the process group when launched by torchrun
+    (the CPU kernels are the plan's to choose: they depend on the checkpoint resumed)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(cfg.device, local_rank, world_size)
@@ -81,7 +82,7 @@ def init_runtime(cfg: TrainerConfig) -> Runtime:
             f"trainer.attention_backends={cfg.attention_backends}: on a CPU torch's attention has flash "
             "and math only; name one of them or leave the setting unset"
         )
-    runtime = Runtime(rank, world_size, device, dtype, Kernels.choose(device, cfg.cpu_kernels))
+    runtime = Runtime(rank, world_size, device, dtype)
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(minutes=cfg.dist_timeout_minutes)

@@ -20,7 +20,6 @@ from transformer.checkpoint import (
     write_checkpoint,
 )
 from transformer.config import ConfigError, DecodeConfig, EvaluateConfig, TrainConfig, to_dict
-from transformer.data.sources import split_names
 from transformer.inference.evaluation import evaluate_checkpoint
 from transformer.inference.translation import Translator
 from transformer.inference.visualize import draw_attention
@@ -30,26 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def check_finish(cfg: TrainConfig) -> None:
-    """What the finish stage will need, checked before training instead of after it."""
-    split, roles = cfg.finish.evaluate_split, split_names(cfg.data)
-    if split is not None and split not in roles:
-        raise ConfigError(
-            f"finish.evaluate_split={split}: data {cfg.data.name} has no '{split}' split (it has: "
-            f"{', '.join(roles)}); choose another or finish.evaluate_split=null"
-        )
-    last, trainer = cfg.finish.average_last, cfg.trainer
-    if last > trainer.keep_last:
-        raise ConfigError(
-            f"finish.average_last={last} averages more checkpoints than trainer.keep_last="
-            f"{trainer.keep_last} keeps: raise keep_last or lower average_last"
-        )
-    if last > 1 and not (trainer.save_every_steps or trainer.save_every_minutes):
-        raise ConfigError(
-            f"finish.average_last={last}: with trainer.save_every_steps and trainer.save_every_minutes "
-            "both 0 only the last step is saved; set one of them, or finish.average_last=0"
-        )
-    decodes = split is not None or cfg.finish.examples or cfg.finish.attention_text
-    if decodes and cfg.finish.precision == "int8":  # refused where 8-bit products cannot run
+    """What the finish stage will need of this machine, checked before training instead of after it (the
+    settings' own needs are TrainConfig's checks): 8-bit products where they can run."""
+    finish = cfg.finish
+    decodes = finish.evaluate_split is not None or finish.examples or finish.attention_text
+    if decodes and finish.precision == "int8":
         decoding_dtype("int8", torch.device("cpu"), "finish.precision")
 
 

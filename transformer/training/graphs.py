@@ -12,32 +12,11 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from transformer.config import ConfigError, TrainConfig
 from transformer.data.batching import Batch
-from transformer.training.distributed import Runtime
 from transformer.training.state import Run
 from transformer.training.step import forward_backward, update
 
 Recorder = Callable[[Callable[[], None]], Callable[[], None]]  # work -> its replay, after one eager run
-
-
-def use_cuda_graphs(cfg: TrainConfig, runtime: Runtime, bucketed: bool) -> bool:
-    """Whether this run's steps are CUDA graph replays: trainer.cuda_graphs, or where unset, wherever
-    they can run. Set to true where they cannot: a ConfigError that says what they need. bucketed: the
-    run batches in length buckets (a graph per shape)."""
-    trainer = cfg.trainer
-    needs = []
-    if runtime.device.type != "cuda":
-        needs.append(f"a CUDA device (trainer.device={trainer.device} gives {runtime.device})")
-    if runtime.distributed:
-        needs.append(f"one process, not {runtime.world_size}: DDP's gradient all-reduce is not recorded")
-    if cfg.model.moe_experts:
-        needs.append("no mixture of experts (model.moe_experts=0): its routing sizes tensors by the data")
-    if not bucketed:
-        needs.append("length buckets (trainer.length_buckets > 0): without them every batch has a new shape")
-    if trainer.cuda_graphs and needs:
-        raise ConfigError(f"trainer.cuda_graphs=true needs {'; '.join(needs)}")
-    return not needs if trainer.cuda_graphs is None else trainer.cuda_graphs
 
 
 class StepGraphs:

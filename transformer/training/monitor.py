@@ -11,6 +11,7 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,8 +84,10 @@ class Monitor:
         device: torch.device,
         peak_flops: float | None,
         profile_steps: list[int] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """steps: (first step of this process, last step of the run); profile_steps: [first, last]."""
+        """steps: (first step of this process, last step of the run); profile_steps: [first, last];
+        clock: seconds from any origin, for the throughput."""
         self.enabled, self.every, self.device, self.peak_flops = enabled, every, device, peak_flops
         self.run_dir, self.profile_steps = run_dir, profile_steps
         self.profiler: Profiler | None = None  # while the profile_steps run
@@ -101,7 +104,8 @@ class Monitor:
             disable=not (enabled and progress),
         )
         self._sums: dict[str, float] = {}
-        self._last_time = time.perf_counter()
+        self.clock = clock
+        self._last_time = clock()
         if enabled and profile_steps:
             if start_step >= profile_steps[0]:
                 log.warning(
@@ -130,7 +134,7 @@ class Monitor:
         if self.profiler is not None and step >= self.profile_steps[1]:
             self._profiled(step, self.profiler.stop(step - self.profile_steps[0] + 1))
             self.profiler = None
-        now = time.perf_counter()
+        now = self.clock()
         seconds, self._last_time = now - self._last_time, now
         for key, value in stats.items():
             if key != "finite":

@@ -20,6 +20,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -94,20 +95,23 @@ class Policy:
     """The loop's decisions, step by step; a context that handles SIGTERM and Ctrl-C meanwhile (a second
     Ctrl-C interrupts at once). Handlers are installed only in the main thread (Python allows no other)."""
 
-    def __init__(self, trainer: TrainerConfig, runtime: Runtime, step: int) -> None:
-        self.trainer, self.runtime = trainer, runtime
+    def __init__(
+        self, trainer: TrainerConfig, runtime: Runtime, step: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """clock: seconds from any origin, for trainer.save_every_minutes."""
+        self.trainer, self.runtime, self.clock = trainer, runtime, clock
         self.step = step  # the last finished step
         self.saved_step = step  # the step of the last checkpoint (or of the start)
         self.received: str | None = None  # the signal this rank received
         self.compiling = False  # inside torch.compile: a signal stops the run at once
-        self.last_save = time.monotonic()
+        self.last_save = clock()
         self.nonfinite = 0  # skipped updates in a row
         self._previous: dict[int, Any] = {}
 
     def requests(self) -> list[float]:
         """This rank's wishes for the step about to run, summed over the ranks with it: stop, save."""
         minutes = self.trainer.save_every_minutes
-        save_due = minutes > 0 and time.monotonic() - self.last_save >= 60 * minutes
+        save_due = minutes > 0 and self.clock() - self.last_save >= 60 * minutes
         return [float(self.received is not None), float(save_due)]
 
     def after_step(self, step: int, stats: dict[str, Any], stop: bool, save_due: bool) -> Decision:
@@ -129,7 +133,7 @@ class Policy:
         )
 
     def saved(self) -> None:
-        self.last_save, self.saved_step = time.monotonic(), self.step
+        self.last_save, self.saved_step = self.clock(), self.step
 
     def stop(self, step: int) -> None:
         """After the checkpoint of `step`: every rank waits until rank 0 has written it (torchrun stops,

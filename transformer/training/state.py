@@ -17,8 +17,9 @@ from torch.optim import Adam
 from torch.optim.lr_scheduler import LambdaLR
 
 from transformer.checkpoint import FORMAT, list_checkpoints, save_best, save_numbered
-from transformer.config import ConfigError, ModelConfig, OptimConfig, TrainConfig, to_dict
+from transformer.config import OptimConfig, TrainConfig, to_dict
 from transformer.data.batching import TokenBudgetBatchSampler
+from transformer.data.corpus import Corpus
 from transformer.model import Transformer
 from transformer.training.distributed import Runtime, gather_objects, wrap
 from transformer.training.loss import CHUNK_ROWS, Seq2SeqLoss
@@ -26,6 +27,14 @@ from transformer.training.policy import Best
 from transformer.training.schedule import make_scheduler
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from."""
+
+    path: Path
+    ckpt: dict[str, Any]
 
 
 @dataclass
@@ -86,7 +95,6 @@ class Run:
     def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
         # the initialisation is the checkpoint's, whatever this run's model.init: its weights replace them
         self.cfg = replace(self.cfg, model=replace(self.cfg.model, init=ckpt["model_config"]["init"]))
-        check_same_model(self.cfg.model, path, ckpt)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -130,25 +138,16 @@ class Run:
             )
 
 
-def check_same_model(model: ModelConfig, path: Path, ckpt: dict[str, Any], but: tuple[str, ...] = ()) -> None:
-    """Refuse to resume from `ckpt` (at path) a model of other settings than `model` (its initialisation
-    and the keys `but` aside)."""
-    mine = to_dict(replace(model, init=ckpt["model_config"]["init"]))
-    changed = sorted(k for k in mine if k not in but and ckpt["model_config"].get(k) != mine[k])
-    if changed:
-        raise ConfigError(
-            f"{path} holds a model with other settings ({', '.join(changed)}); "
-            "set trainer.run_dir to a new directory, or trainer.resume=<checkpoint of this model>"
-        )
-
-
 def start_run(
-    cfg: TrainConfig, runtime: Runtime, sampler: TokenBudgetBatchSampler, meta: dict[str, Any], spm: bytes
+    cfg: TrainConfig,
+    runtime: Runtime,
+    sampler: TokenBudgetBatchSampler,
+    corpus: Corpus,
+    resume: Resume | None,
 ) -> tuple[Run, nn.Module]:
-    """The model (the corpus sets the vocabulary size; every rank starts from the same weights) on the
-    device with its kernels, its objective as the device runs it (`distributed.wrap`), Adam with
-    beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and the schedule of Eq. (3)."""
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=meta["vocab_size"]))
+    """The model (every rank starts from the same weights) on the device with its kernels, its objective
+    as the device runs it (`distributed.wrap`), Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and the
+    schedule of Eq. (3); then, resuming, the checkpoint's state in all of them."""
     seed_everything(cfg.trainer.seed)
     kernels = runtime.kernels
     model = kernels.apply(Transformer(cfg.model).to(runtime.device))
@@ -158,9 +157,11 @@ def start_run(
     seed_everything(cfg.trainer.seed + runtime.rank)  # each rank its own dropout masks
     optimizer = adam(model, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.model.d_model)
-    run_dir = Path(cfg.trainer.run_dir)
-    best = Best(cfg.trainer.best_metric)
-    return Run(cfg, runtime, run_dir, model, optimizer, scheduler, sampler, meta, spm, best), objective
+    run_dir, best, meta = Path(cfg.trainer.run_dir), Best(cfg.trainer.best_metric), corpus.meta
+    run = Run(cfg, runtime, run_dir, model, optimizer, scheduler, sampler, meta, corpus.spm_model, best)
+    if resume is not None:
+        run.restore(resume.path, resume.ckpt)
+    return run, objective
 
 
 def adam(model: nn.Module, cfg: OptimConfig) -> Adam:

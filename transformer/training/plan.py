@@ -1,0 +1,247 @@
+"""A training run, planned before it runs (§5). What a run decides is resolved in two phases, each
+logged in one line:
+
+1. `Plan.make(cfg)`, before any data work, from the configuration and the checkpoint alone: every check
+   of the settings, the device and precision, the resume point and its checks, the CPU kernels (a
+   resumed run's own), compile, and whether the steps may be CUDA graphs at all; a mistake stops the
+   run here, before hours of data preparation.
+2. `plan.with_data()`: the corpus prepared (by rank 0) and read, and what it decides: the vocabulary,
+   the length buckets (a resumed run's own), the batches, whether the steps are CUDA graphs.
+
+The loop (`loop.train`) only executes the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from transformer.checkpoint import (
+    RESUME_KEYS,
+    CheckpointError,
+    check_same_model,
+    checkpoint_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    set_aside_newer,
+)
+from transformer.config import LENGTH_BUCKETS, ConfigError, TrainConfig
+from transformer.data.batching import Batch, TokenBudgetBatchSampler
+from transformer.data.corpus import Corpus, batches_forever, read_corpus
+from transformer.data.prepare import prepare
+from transformer.kernels import Kernels
+from transformer.training.distributed import Runtime, init_runtime, shutdown, wait_for_main
+from transformer.training.finish import check_finish
+from transformer.training.state import Resume
+from transformer.utils.atomic import remove_temp_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    """What a run decided: before the data (`make`), then with it (`with_data`)."""
+
+    cfg: TrainConfig
+    runtime: Runtime  # rank, world size, device, precision, CPU kernels
+    resume: Resume | None  # None: from step 0
+    # decided with the data
+    corpus: Corpus | None = None
+    sampler: TokenBudgetBatchSampler | None = None  # this rank's share of each step's batches
+    batches: Iterator[Batch] | None = None  # its batches on the device, from where the sampler stands
+    graphs: bool = False  # each step CUDA graph replays
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.trainer.run_dir)
+
+    @classmethod
+    def make(cls, cfg: TrainConfig) -> Plan:
+        """Everything the configuration and the checkpoint decide, with every check that needs no data."""
+        check_settings(cfg)
+        runtime = init_runtime(cfg.trainer)
+        plan = cls(cfg, runtime, resume=None)
+        try:
+            plan.cuda_graphs()  # a mistake in trainer.cuda_graphs, said before any file is touched
+            plan.resume = find_resume(cfg, runtime)
+            runtime.kernels = choose_kernels(cfg, runtime, plan.resume)
+        except BaseException:
+            shutdown(runtime)
+            raise
+        plan.log_start()
+        return plan
+
+    def with_data(self) -> Plan:
+        """The corpus (prepared by rank 0 while the others wait) and what it decides."""
+        cfg, runtime = self.cfg, self.runtime
+        if runtime.is_main:
+            prepare(cfg.data)  # a quick check when it is ready
+        wait_for_main(runtime)
+        corpus = read_corpus(cfg, runtime.rank, runtime.world_size)
+        vocab = corpus.meta["vocab_size"]
+        if self.resume is not None and self.resume.ckpt["model_config"]["vocab_size"] != vocab:
+            raise ConfigError(  # the rest of the model was compared before the data (`find_resume`)
+                f"{self.resume.path} holds a model with other settings (vocab_size); set trainer.run_dir to "
+                "a new directory, or trainer.resume=<checkpoint of this model>"
+            )
+        sampler = corpus.sampler(cfg.trainer, runtime.rank, runtime.world_size, self.length_buckets())
+        batches = batches_forever(sampler, corpus.train, cfg.trainer.pad_to_multiple, runtime.device)
+        model = replace(cfg.model, vocab_size=vocab)  # the corpus's vocabulary
+        plan = replace(self, cfg=replace(cfg, model=model), corpus=corpus, sampler=sampler, batches=batches)
+        recorded = self.recorded_buckets()
+        if self.resume is not None and sampler.buckets != recorded:
+            log.warning(
+                "trainer.length_buckets=%s: the run was batched with buckets %s, it goes on with %s: other "
+                "batches than it would have had",
+                cfg.trainer.length_buckets,
+                recorded,
+                sampler.buckets,
+            )
+        plan.graphs = plan.cuda_graphs(sampler.buckets)
+        plan.log_data()
+        return plan
+
+    def length_buckets(self) -> int | list[int] | None:
+        """The length buckets of this run (trainer.length_buckets): a resumed run's are its checkpoint's
+        (one from before buckets had none), so that it goes on with the very batches it would have had;
+        else their number, by device where unset."""
+        n = self.cfg.trainer.length_buckets
+        if n is None and self.resume is not None:
+            return self.recorded_buckets()
+        return LENGTH_BUCKETS.get(self.runtime.device.type, 0) if n is None else n
+
+    def recorded_buckets(self) -> list[int] | None:
+        """The length buckets the resumed checkpoint was batched with (None: none, or no checkpoint)."""
+        batching = None if self.resume is None else self.resume.ckpt.get("batching")
+        return None if batching is None else batching["buckets"]
+
+    def cuda_graphs(self, buckets: list[int] | None = None) -> bool:
+        """Whether the steps are CUDA graph replays: trainer.cuda_graphs, or where unset, wherever they
+        can run (`buckets`: the run's length buckets). Set to true where they cannot: a ConfigError that
+        says what they need. Before the data is read only trainer.length_buckets=0 says that there will be
+        no buckets."""
+        cfg, runtime = self.cfg, self.runtime
+        bucketed = bool(buckets) if self.corpus is not None else cfg.trainer.length_buckets != 0
+        needs = []
+        if runtime.device.type != "cuda":
+            needs.append(f"a CUDA device (trainer.device={cfg.trainer.device} gives {runtime.device})")
+        if runtime.distributed:
+            needs.append(f"one process, not {runtime.world_size}: DDP's gradient all-reduce is not recorded")
+        if cfg.model.moe_experts:
+            needs.append("no mixture of experts (model.moe_experts=0): its routing sizes tensors by the data")
+        if not bucketed:
+            needs.append(
+                "length buckets (trainer.length_buckets > 0): without them every batch has a new shape"
+            )
+        if cfg.trainer.cuda_graphs and needs:
+            raise ConfigError(f"trainer.cuda_graphs=true needs {'; '.join(needs)}")
+        return not needs if cfg.trainer.cuda_graphs is None else cfg.trainer.cuda_graphs
+
+    def log_start(self) -> None:
+        trainer, runtime, resume = self.cfg.trainer, self.runtime, self.resume
+        start = "step 0" if resume is None else f"{resume.path} at step {resume.ckpt['step']}"
+        batch = trainer.batch_tokens(runtime.world_size)
+        accum = trainer.grad_accum(runtime.world_size)
+        log.info(
+            "plan: %s on %s x%d (%s; CPU kernels: %s), from %s; %d batch(es) of <= %d padded tokens per "
+            "rank per step, <= %d per step (trainer.tokens_per_step=%d, trainer.max_tokens=%d); compile: "
+            "%s; attention backends: %s",
+            self.run_dir,
+            runtime.device,
+            runtime.world_size,
+            str(runtime.dtype).removeprefix("torch."),
+            runtime.kernels.describe(),
+            start,
+            accum,
+            batch,
+            batch * accum * runtime.world_size,
+            trainer.tokens_per_step,
+            trainer.max_tokens,
+            "by regions" if trainer.compile else "off",
+            ", ".join(trainer.attention_backends or ["torch's choice"]),
+        )
+
+    def log_data(self) -> None:
+        buckets = self.sampler.buckets
+        log.info(
+            "data: %s, %s training pairs, vocabulary %d; length buckets: %s; CUDA graphs: %s",
+            self.cfg.data.dir,
+            f"{len(self.corpus.train):,}",
+            self.cfg.model.vocab_size,
+            " ".join(map(str, buckets)) if buckets else "none",
+            "one per batch shape" if self.graphs else "off",
+        )
+
+
+def check_settings(cfg: TrainConfig) -> None:
+    """Mistakes that the settings alone show and their checks could not (they are the machine's or the
+    run directory's), found before any heavy work: trainer.resume, the finish stage's decoding."""
+    trainer, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
+    if trainer.resume == "never" and list_checkpoints(run_dir):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints and trainer.resume=never would mix two runs there; "
+            "choose another trainer.run_dir, or trainer.resume=auto to continue"
+        )
+    if trainer.resume not in ("auto", "never") and not Path(trainer.resume).is_file():
+        raise ConfigError(
+            f"trainer.resume={trainer.resume}: no such file (use auto, never or a checkpoint path)"
+        )
+    check_finish(cfg)
+
+
+def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
+    """The checkpoint the run continues from (None: from step 0); one that cannot resume it (no resume
+    state, another model) fails here, before the data is prepared. Then rank 0 tidies the run directory:
+    the checkpoints of steps past it set aside (never rotated in or averaged with this run's), and what
+    an interrupted save left removed."""
+    trainer, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
+    resume = None
+    if trainer.resume == "auto":
+        found = latest_checkpoint(run_dir)
+        resume = None if found is None else Resume(*found)
+    elif trainer.resume != "never":
+        ckpt = load_checkpoint(trainer.resume)
+        missing = [key for key in RESUME_KEYS if key not in ckpt]
+        if missing:
+            raise CheckpointError(f"{trainer.resume} cannot resume training: it has no {', '.join(missing)}")
+        resume = Resume(Path(trainer.resume), ckpt)
+    if resume is not None:  # the vocabulary's size is the prepared data's: compared once it is
+        check_same_model(cfg.model, resume.path, resume.ckpt, but=("vocab_size",))
+    if resume is not None and runtime.is_main:
+        set_aside_newer(run_dir, resume.ckpt["step"])
+        if resume.ckpt["step"] >= trainer.max_steps:
+            log.warning(
+                "%s is at step %d, trainer.max_steps=%d: nothing left to train (raise trainer.max_steps "
+                "to train on)",
+                resume.path,
+                resume.ckpt["step"],
+                trainer.max_steps,
+            )
+    if runtime.is_main and checkpoint_dir(run_dir).is_dir():
+        remove_temp_files(checkpoint_dir(run_dir))
+    return resume
+
+
+def choose_kernels(cfg: TrainConfig, runtime: Runtime, resume: Resume | None) -> Kernels:
+    """The CPU kernels of the run (trainer.cpu_kernels): by the CPU with "auto", except that a resumed run
+    takes those it was trained with, so that it resumes exactly (a checkpoint from before the choice:
+    every kernel, as the CPU ran then); a run trained on a GPU takes those this CPU chooses (no resume
+    across devices is bitwise)."""
+    setting = cfg.trainer.cpu_kernels
+    chosen = Kernels.choose(runtime.device, setting)
+    if resume is None or runtime.device.type != "cpu" or resume.ckpt.get("kernels", {}) is None:
+        return chosen
+    recorded = resume.ckpt.get("kernels") or Kernels.choose(runtime.device, "on").record()
+    if setting == "auto":
+        return Kernels(**recorded)
+    if recorded != chosen.record():
+        log.warning(
+            "trainer.cpu_kernels=%s: the run was trained with %s; it goes on with %s, not bitwise as before",
+            setting,
+            Kernels(**recorded).describe(),
+            chosen.describe(),
+        )
+    return chosen
