@@ -1,6 +1,7 @@
 """Every YAML file under configs/ composes with Hydra into a valid config; the defaults hold the paper's
 values; mistakes are rejected by name, before any work."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -21,6 +22,7 @@ from transformer.config import (
     ExportConfig,
     FinishConfig,
     ModelConfig,
+    SearchConfig,
     TrainConfig,
     TrainerConfig,
     TranslateConfig,
@@ -338,19 +340,21 @@ def composed_app(app: str, *overrides: str) -> dict:
     return OmegaConf.to_container(cfg, resolve=False)
 
 
-README_TABLES = {  # the bold heading above a table in the README -> (app, section of its config)
+CONFIGURATION = ROOT / "docs" / "configuration.md"  # every setting's table
+TABLES = {  # the bold heading above a table in docs/configuration.md -> (app, section of its config)
     "**`model/`**": ("train", "model"),
     "**`data/`**": ("train", "data"),
     "**`optim/`**": ("train", "optim"),
     "**`trainer/`**": ("train", "trainer"),
     "**`finish`**": ("train", "finish"),
+    "**The search**": ("translate", None),
     "**Decoding apps**": ("translate", None),
 }
 
 
-def readme_rows(heading: str) -> list[tuple[str, str]]:
-    """(key, value as written) for every key of the table below `heading` in the README."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def table_rows(heading: str) -> list[tuple[str, str]]:
+    """(key, value as written) for every key of the table below `heading` in docs/configuration.md."""
+    text = CONFIGURATION.read_text(encoding="utf-8")
     lines = text[text.index(heading) :].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = []
@@ -375,25 +379,31 @@ def as_value(written: str) -> object:
     return value
 
 
-@pytest.mark.parametrize("heading", list(README_TABLES))
-def test_the_readmes_key_tables_state_the_defaults(heading):
-    app, section = README_TABLES[heading]
+@pytest.mark.parametrize("heading", list(TABLES))
+def test_the_key_tables_state_the_defaults(heading):
+    app, section = TABLES[heading]
     cfg = composed_app(app)
     cfg = cfg if section is None else cfg[section]
-    rows = readme_rows(heading)
+    rows = table_rows(heading)
     assert len(rows) >= 5
     for key, written in rows:
         value = cfg
         for part in key.split("."):
             value = value[part]
-        assert as_value(written) == value, f"README {heading} says {key}={written}, the config {value!r}"
+        assert as_value(written) == value, f"{heading} says {key}={written}, the config {value!r}"
 
 
-def test_the_readme_names_every_setting_of_the_model_optim_trainer_and_finish():
+def test_the_tables_name_every_setting_of_the_model_optim_trainer_finish_and_the_decoding_apps():
+    """Adding a setting means documenting it: the search's table names every field of SearchConfig,
+    and with it the finish table names finish.*, the decoding apps' table translate.py's keys."""
     cfg = composed_app("train")
-    for heading in ("**`model/`**", "**`optim/`**", "**`trainer/`**", "**`finish`**"):
-        section = README_TABLES[heading][1]
-        assert {key for key, _ in readme_rows(heading)} == set(cfg[section]), heading
+    for heading in ("**`model/`**", "**`optim/`**", "**`trainer/`**"):
+        assert {key for key, _ in table_rows(heading)} == set(cfg[TABLES[heading][1]]), heading
+    search = {key for key, _ in table_rows("**The search**")}
+    assert search == {f.name for f in dataclasses.fields(SearchConfig)}
+    assert {key for key, _ in table_rows("**`finish`**")} | search == set(cfg["finish"])
+    decoding = {key for key, _ in table_rows("**Decoding apps**")}
+    assert decoding | search == set(composed_app("translate")) and not decoding & search
 
 
 @pytest.mark.parametrize("group", ["model", "data", "optim", "trainer"])
