@@ -13,7 +13,6 @@ stop. From a terminal, or with buffer_size=N, each line (each N lines) is transl
 arrives; a piped file is read whole and batched for speed.
 """
 
-import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from transformer.config import ConfigError, TranslateConfig, app_defaults, from_
 from transformer.inference.formats import format_line
 from transformer.inference.translation import Translator, split_input
 from transformer.utils import atomic
-from transformer.utils.cli import exit_with_error
+from transformer.utils.cli import exit_with_error, log_to_stderr
 
 ConfigStore.instance().store(name="translate_defaults", node=app_defaults("translate"))  # every default
 
@@ -103,7 +102,7 @@ def run(cfg: TranslateConfig) -> None:
 
 @hydra.main(config_path="configs", config_name="translate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    log_to_stderr()
     try:
         run(from_dict(TranslateConfig, OmegaConf.to_container(cfg, resolve=True)))
     except (ConfigError, CheckpointError, OSError) as error:

@@ -15,7 +15,6 @@ beam4.alpha0.6 by default, greedy for beam_size=1, then .len<a>x+<b> for other m
 scores of other decoding settings sit side by side.
 """
 
-import logging
 import sys
 from typing import Any
 
@@ -29,7 +28,7 @@ from transformer.config import ConfigError, DataConfig, EvaluateConfig, app_defa
 from transformer.data.sources import DataError
 from transformer.inference.evaluation import evaluate_checkpoint
 from transformer.inference.translation import Translator
-from transformer.utils.cli import exit_with_error
+from transformer.utils.cli import exit_with_error, log_to_stderr
 
 ConfigStore.instance().store(name="evaluate_defaults", node=app_defaults("evaluate"))  # every default
 
@@ -49,7 +48,7 @@ def corpus(cfg: DictConfig, recorded: dict[str, Any] | None) -> dict[str, Any]:
 
 @hydra.main(config_path="../configs", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    log_to_stderr()
     try:
         settings = OmegaConf.to_container(cfg, resolve=True)
         translator = Translator.from_checkpoint(from_dict(EvaluateConfig, settings))

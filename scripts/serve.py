@@ -8,9 +8,6 @@ GET / the page. One model worker batches concurrent requests. It listens on 127.
 otherwise (host=0.0.0.0); SIGTERM or Ctrl-C stop it.
 """
 
-import logging
-import sys
-
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -18,14 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 from transformer.checkpoint import CheckpointError
 from transformer.config import ConfigError, ServeConfig, app_defaults, from_dict
 from transformer.serving.server import serve
-from transformer.utils.cli import exit_with_error
+from transformer.utils.cli import exit_with_error, log_to_stderr
 
 ConfigStore.instance().store(name="serve_defaults", node=app_defaults("serve"))  # every default
 
 
 @hydra.main(config_path="../configs", config_name="serve", version_base=None)
 def main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    log_to_stderr()
     try:
         serve(from_dict(ServeConfig, OmegaConf.to_container(cfg, resolve=True)))
     except (ConfigError, CheckpointError, OSError) as error:

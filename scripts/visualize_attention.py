@@ -4,9 +4,6 @@ python scripts/visualize_attention.py checkpoint=PATH text='"The cat sat on the 
 ... tensorboard=true   # also as TensorBoard images: tensorboard --logdir attention
 """
 
-import logging
-import sys
-
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -14,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformer.checkpoint import CheckpointError
 from transformer.config import ConfigError, VisualizeConfig, app_defaults, from_dict
 from transformer.inference.visualize import visualize_checkpoint
-from transformer.utils.cli import exit_with_error
+from transformer.utils.cli import exit_with_error, log_to_stderr
 
 ConfigStore.instance().store(
     name="visualize_defaults", node=app_defaults("visualize")
@@ -23,7 +20,7 @@ ConfigStore.instance().store(
 
 @hydra.main(config_path="../configs", config_name="visualize", version_base=None)
 def main(cfg: DictConfig) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s", stream=sys.stderr)
+    log_to_stderr()
     try:
         settings = from_dict(VisualizeConfig, OmegaConf.to_container(cfg, resolve=True))
         translation, paths = visualize_checkpoint(settings)

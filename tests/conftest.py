@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +18,10 @@ from transformer.config import ModelConfig, app_defaults, to_dict
 from transformer.data.tokenizer import learn_bpe
 from transformer.model import Transformer
 from transformer.vocab import EOS_ID, PAD_ID
+
+# The CPU kernels decoding timed are kept in a file of this session's (transformer/kernels/timing.py), not
+# the user's cache; the apps the tests start inherit it.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="transformer-tests-")
 
 # The apps' defaults, as each app registers them, for the tests that compose configs/ with Hydra.
 for app in ("train", "translate", "evaluate", "visualize", "export", "prepare_data"):

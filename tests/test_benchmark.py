@@ -20,7 +20,10 @@ import pytest
 import torch
 
 import transformer.kernels as kernels_module
+from transformer.config import DecodeConfig
+from transformer.inference.translation import rows as decoding_rows
 from transformer.kernels import Kernels, Products
+from transformer.kernels.timing import decoding_kernels
 from transformer.utils import devices
 from transformer.utils.devices import CpuFeatures
 
@@ -306,19 +309,23 @@ def test_the_loop_section_runs_train_py_and_the_peer_over_the_same_batches(tmp_p
 
 
 def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them(monkeypatch, tmp_path):
-    """On an AVX2 CPU (faked) ours runs with the kernels it chooses there, and beside them with none
-    and with all of them, in training and in decoding, so that one run shows whether the choice wins."""
+    """On an AVX2 CPU (faked) ours trains with the kernels its rule chooses there, and decodes with those
+    it times here; beside them it runs with none, and with all of them where the choice is fewer, so
+    that one run shows whether the choice wins."""
     avx2 = CpuFeatures("AVX2", True, False, False, "x86 with AVX2")
     monkeypatch.setattr(kernels_module, "cpu_features", lambda: avx2)
     packed, prepacked = [], Products.prepacked  # which products decode with packed weights, as translate.py
 
     def recording(products, weights, int8=False):
-        packed.append((products.onednn, int8))
+        packed.append((products.pack, int8))
         return prepacked(products, weights, int8)
 
-    monkeypatch.setattr(Products, "prepacked", recording)
     benchmark = load_benchmark(monkeypatch)
     monkeypatch.setattr(devices, "cpu_features", lambda: avx2)
+    cpu, shapes = torch.device("cpu"), decoding_rows(DecodeConfig(checkpoint="-"))
+    torch.set_num_threads(1)  # as --threads 1 sets them
+    decoding_kernels(benchmark.SIZES["tiny"], cpu, "auto", False, *shapes)  # timed now: the run takes it
+    monkeypatch.setattr(Products, "prepacked", recording)
     flags = ["--no-compile", "--peers", "", "--beam-sentences", "2", "--greedy-sentences", "2"]
     flags += ["--src-len", "4", "--new-tokens", "3", "--decode-rounds", "1"]
     report = benchmark.main([*TINY, *flags, "--sections", "train,decode", "--json", str(tmp_path / "b.json")])
@@ -326,10 +333,17 @@ def test_where_the_machine_chooses_fewer_kernels_ours_also_runs_with_all_of_them
     ours = ["ours", "ours (kernels off)", "ours (kernels on)"]
     assert [r["model"] for r in report["train"]["fixed"]] == ours
     assert [r["model"] for r in report["train"]["sampled"]["rows"]] == ours
+    prefix = "ours decodes with CPU kernels "
+    [decoding] = [note[len(prefix) :].split(" (")[0] for note in report["notes"] if note.startswith(prefix)]
+    fewer = decoding != Kernels.choose(torch.device("cpu"), "on").describe()
     for mode in report["decode"].values():
-        assert {"ours", "ours (kernels off)", "ours (kernels on)"} <= {r["decoder"] for r in mode["rows"]}
+        names = {r["decoder"] for r in mode["rows"]}
+        assert {"ours", "ours (kernels off)"} <= names and ("ours (kernels on)" in names) == fewer
         assert all(r["output_tokens"] == 2 * 3 for r in mode["rows"])
-    assert sorted(packed) == [(False, False), (False, True), (True, False)]  # ours, its int8 copy, all on
+    named = decoding.split(", ")
+    ours_packed = "packed" in named or ("onednn" in named and "unpacked" not in named)
+    expected = [(ours_packed, False), (False, True)] + [(True, False)] * fewer  # ours, its int8 copy, all on
+    assert sorted(packed) == sorted(expected), (decoding, packed)
 
 
 def test_on_a_cpu_that_is_not_x86_ours_decodes_without_int8_and_says_so(monkeypatch, tmp_path):

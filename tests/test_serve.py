@@ -46,9 +46,11 @@ class Running:
             cwd=ROOT,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
-        line = self.process.stderr.readline().decode()
-        found = re.search(r"on http://([\d.]+):(\d+)", line)
-        assert found, line + self.process.stderr.read().decode()
+        said = ""  # the kernels' choice, then where it serves
+        while not (found := re.search(r"on http://([\d.]+):(\d+)", said)):
+            line = self.process.stderr.readline().decode()
+            assert line, said + self.process.stderr.read().decode()
+            said += line
         self.host, self.port = found.group(1), int(found.group(2))
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):

@@ -16,11 +16,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from harness.measure import FIRST_TOKEN, KERNELS_OFF, KERNELS_ON, Setup, interleave, side_kernels
+from harness.measure import (
+    FIRST_TOKEN,
+    KERNELS_OFF,
+    KERNELS_ON,
+    Setup,
+    interleave,
+    side_kernels,
+)
 from harness.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
-from transformer.config import ConfigError, ModelConfig, SearchConfig
+from transformer.config import ConfigError, DecodeConfig, ModelConfig, SearchConfig
 from transformer.decoding import beam_search, search_weights
+from transformer.inference.translation import rows
 from transformer.kernels import Kernels
+from transformer.kernels.timing import decoding_kernels
 from transformer.model import Transformer
 from transformer.utils.devices import decoding_dtype
 from transformer.vocab import EOS_ID
@@ -111,12 +120,14 @@ def build_decoders(
     decoders[POLICIES[0]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, nbest=4))
     sampling = {"sampling": True, "nbest": 4, "topk": 50}
     decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, **sampling))
-    for name, side in side_kernels(setup.device).items():  # the same search, cpu_kernels=off (and =on)
+    for name, side in side_kernels(setup.device, kernels).items():  # the same search, cpu_kernels=off (=on)
         decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
     if not cuda:  # translate.py precision=int8, where it runs: a copy of the weights in 8 bits
         try:
             decoding_dtype("int8", setup.device)  # translate.py's own refusal (fbgemm: x86, AVX2)
-            int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, Kernels.choose(setup.device, int8=True))
+            shapes = rows(DecodeConfig(checkpoint="-", device="cpu", precision="int8"))
+            chosen = decoding_kernels(cfg, setup.device, "auto", True, *shapes)  # as translate.py's
+            int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, chosen)
             decoders["ours int8"] = ("ours", int8)  # (section_decode packs them)
         except ConfigError as error:
             notes.append(f"ours int8 left out: {error}")
@@ -202,7 +213,12 @@ def section_decode(
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32  # as translate.py
     ours = Transformer(cfg).eval().to(setup.device, dtype)
-    kernels = Kernels.choose(setup.device)  # as translate.py hands them over
+    # as translate.py hands them over: on a CPU timed on this machine (at translate.py's default shapes)
+    kernels = decoding_kernels(cfg, setup.device, "auto", False, *rows(DecodeConfig(checkpoint="-")))
+    if setup.device.type == "cpu":
+        notes.append(
+            f"ours decodes with CPU kernels {kernels.describe()} (timed on this machine, as translate.py)"
+        )
     with tempfile.TemporaryDirectory() as workdir, ExitStack() as cleanup:
         decoders = build_decoders(ours, kernels, cfg, setup, peers, args, Path(workdir), notes, cleanup)
         # ours as translate.py runs it: the decoder's weights packed for oneDNN once for all batches (on

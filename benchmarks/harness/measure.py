@@ -48,14 +48,16 @@ def make_setup(device_name: str, threads: int) -> Setup:
     return Setup(device, nullcontext)
 
 
-def side_kernels(device: torch.device) -> dict[str, Kernels]:
-    """Ours beside itself on a CPU: with the kernels off, and with all of them on where the instruction
-    set chooses fewer (e.g. AVX2), so that one run shows whether the choice wins there."""
+def side_kernels(device: torch.device, chosen: Kernels | None = None) -> dict[str, Kernels]:
+    """Ours beside itself on a CPU: with the kernels off, and with all of them on where the machine
+    chooses fewer (`chosen`; default: training's choice by the instruction set), so that one run shows
+    whether the choice wins there."""
     if device.type != "cpu":
         return {}
     side = {KERNELS_OFF: Kernels()}
     every = Kernels.choose(device, "on")
-    if Kernels.choose(device).record() != every.record():
+    chosen = Kernels.choose(device) if chosen is None else chosen
+    if (chosen.record(), chosen.packed) != (every.record(), every.packed):
         side[KERNELS_ON] = every
     return side
 

@@ -189,7 +189,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 def print_header(meta: dict[str, Any]) -> None:
     cpu = meta["cpu"]  # the host CPU; on a CPU run, the kernels chosen for it
     isa = f"{cpu['name']}, {cpu['isa']} (torch capability {cpu['capability']})"
-    where = f"cpu: {isa}, CPU kernels: {meta['cpu_kernels']}"
+    where = f"cpu: {isa}, training's CPU kernels: {meta['cpu_kernels']}"
     if meta["device"] != "cpu":
         where = f"{meta['device']}: {meta['device_name']}, host CPU {isa}"
     print(f"== benchmark: {where}; torch {meta['torch']}, {meta['size']} dims, {meta['threads']} threads ==")

@@ -31,6 +31,7 @@ from transformer.decoding import (
 )
 from transformer.decoding.scoring import Linear, project
 from transformer.kernels import Kernels
+from transformer.kernels.timing import KEYS, decoding_kernels
 from transformer.model import Transformer
 from transformer.utils.devices import decoding_dtype, resolve_device
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
@@ -121,7 +122,8 @@ class Translator:
                 raise ConfigError(
                     f"{checkpoints[0]} and {path} have different tokenizers: an ensemble needs one vocabulary"
                 )
-        kernels = Kernels.choose(device, cfg.cpu_kernels, int8=cfg.precision == "int8")
+        int8 = cfg.precision == "int8"
+        kernels = decoding_kernels(loaded[0][0].cfg, device, cfg.cpu_kernels, int8, *rows(cfg))
         # .to() out of _load: a device's error (out of memory) is not the file's
         models = [kernels.apply(model.to(device, dtype)) for model, _, _ in loaded]
         ckpt = loaded[0][2]
@@ -258,6 +260,14 @@ class Translator:
     def _translation(self, h: Hypothesis) -> Translation:
         pieces = self.tokenizer.pieces(h.tokens) + ["</s>"] * (len(h.token_log_probs) - len(h.tokens))
         return Translation(self.text(h.tokens), h.score, h.log_prob, pieces, h.token_log_probs)
+
+
+def rows(cfg: DecodeConfig) -> tuple[int, int]:
+    """The rows a decoding step of these settings typically multiplies (hypotheses), and its encoder
+    (source tokens), each rounded up to a power of two: the CPU kernels are timed at these shapes."""
+    sentences = min(cfg.max_sentences, 32)
+    hypotheses, sources = cfg.width * sentences, min(cfg.max_tokens, sentences * KEYS)
+    return 1 << (hypotheses - 1).bit_length(), 1 << (sources - 1).bit_length()
 
 
 def _load(path: str) -> tuple[Transformer, Tokenizer, dict[str, Any]]:

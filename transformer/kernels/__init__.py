@@ -1,9 +1,10 @@
 """Speed machinery, handed in from outside the paper's modules (docs/performance.md).
 
-An entry point chooses its `Kernels` for the device and the CPU's instruction set (`Kernels.choose`:
-each kernel only where it was measured to win; `cpu_kernels=on|off` forces them) and hands them on,
-in the order build -> to(device) -> kernels -> compile -> DDP: `kernels.apply(model)` gives the model
-with the CPU kernels' modules in place of the plain ones (the same parameters, state_dict keys and
+An entry point chooses its `Kernels` for the device (training by the CPU's instruction set,
+`Kernels.choose`; decoding by timing them on this machine, `timing.decoding_kernels`;
+`cpu_kernels=on|off` forces them) and hands them on, in the order build -> to(device) -> kernels ->
+compile -> DDP: `kernels.apply(model)` gives the model with the CPU kernels' modules in place of the
+plain ones, or the plain ones in place of other kernels' (the same parameters, state_dict keys and
 functions);
 `kernels.products` computes the linear maps that the loss and the search make themselves, and packs
 the weights decoding multiplies by once for a translation session (in 8 bits for precision=int8).
@@ -30,10 +31,11 @@ M = TypeVar("M", bound=nn.Module)
 
 
 class Kernels:
-    """Which CPU kernels a model runs with: float32 products on oneDNN (`onednn`), dropout masks drawn
-    from noise (`noise_dropout`), short attention written out (`short_attention`); with
-    `int8` (decoding's precision=int8, whatever the kernels) every linear map multiplies through
-    `products`, whose 8-bit packed weights it then uses."""
+    """Which CPU kernels a model runs with: float32 products on oneDNN (`onednn`), decoding's weights
+    packed for oneDNN (`packed`; default: as `onednn`), dropout masks drawn from noise
+    (`noise_dropout`), short attention written out (`short_attention`); with `int8` (decoding's
+    precision=int8, whatever the kernels) every linear map multiplies through `products`, whose 8-bit
+    packed weights it then uses."""
 
     def __init__(
         self,
@@ -41,10 +43,11 @@ class Kernels:
         noise_dropout: bool = False,
         short_attention: bool = False,
         int8: bool = False,
+        packed: bool | None = None,
     ):
         self.onednn, self.noise_dropout, self.short_attention = onednn, noise_dropout, short_attention
-        self.int8 = int8
-        self.products = Products(onednn)
+        self.int8, self.packed = int8, onednn if packed is None else packed
+        self.products = Products(onednn, self.packed)
 
     @classmethod
     def choose(
@@ -75,22 +78,31 @@ class Kernels:
 
     def describe(self) -> str:
         on = [name for name, used in self.record().items() if used]
+        if self.packed != self.onednn:  # decoding's weights packed for oneDNN, or not, unlike the rest
+            on.append("packed" if self.packed else "unpacked")
         return ", ".join(on) if on else "none"
 
     def apply(self, model: M) -> M:
-        """A copy of the model (the same parameters) with these kernels' modules in place."""
+        """A copy of the model (the same parameters) with these kernels' modules in place: each module a
+        kernel can replace becomes this choice's (a kernel's subclass, or the plain class)."""
         return replaced(model, self._replacement)
 
     def _replacement(self, module: nn.Module) -> nn.Module | None:
-        kind, through_products = type(module), self.onednn or self.int8
-        if through_products and kind is nn.Linear:
-            return shallow_copy(module, OneDNNLinear, products=self.products)
-        if through_products and kind is FeedForward:
-            return shallow_copy(module, OneDNNFeedForward, products=self.products)
-        if self.noise_dropout and kind is nn.Dropout:
-            return shallow_copy(module, NoiseDropout)
-        if self.short_attention and kind is MultiHeadAttention:
-            return shallow_copy(module, ShortAttention)
+        through_products = self.onednn or self.packed or self.int8
+        for plain, kernel, used in (
+            (nn.Linear, OneDNNLinear, through_products),
+            (FeedForward, OneDNNFeedForward, through_products),
+            (nn.Dropout, NoiseDropout, self.noise_dropout),
+            (MultiHeadAttention, ShortAttention, self.short_attention),
+        ):
+            if isinstance(module, plain):
+                chosen = kernel if used else plain
+                copy = shallow_copy(module, chosen)
+                if chosen in (OneDNNLinear, OneDNNFeedForward):
+                    copy.products = self.products
+                elif "products" in copy.__dict__:  # back to the plain class: no products of another choice
+                    del copy.__dict__["products"]
+                return copy
         return None
 
 

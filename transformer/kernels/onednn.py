@@ -3,10 +3,11 @@
 products, equal to `F.linear` up to float32 rounding; anything else (CUDA, other dtypes, autocast,
 torch.compile, `torch.backends.mkldnn.enabled = False`, onednn=False) takes `F.linear` itself.
 
-Inside `products.prepacked(weights)`, each of those weights is copied into oneDNN's blocked layout
-once for the whole block instead of at every call (decoding multiplies the same weights step after
-step); with `int8=True`, into fbgemm's 8-bit layout instead (translate.py precision=int8). The packed
-copies belong to the `Products` object: one per model, never shared between threads.
+Inside `products.prepacked(weights)`, with `packed` each of those weights is copied into oneDNN's
+blocked layout once for the whole block instead of at every call (decoding multiplies the same weights
+step after step; the other products still follow `onednn`); with `int8=True`, into fbgemm's 8-bit layout
+instead (translate.py precision=int8). The packed copies belong to the `Products` object: one per
+model, never shared between threads.
 """
 
 from __future__ import annotations
@@ -109,10 +110,11 @@ def _key(weight: Tensor) -> tuple:
 
 class Products:
     """y = x W^T + b (or max(0, .) with relu), and the weight gradient grad_y^T x; on oneDNN where
-    `onednn` and the operands are plain float32 CPU tensors, with `prepacked` weights at inference."""
+    `onednn` and the operands are plain float32 CPU tensors, and with `prepacked` weights at inference
+    where `packed` (default: as `onednn`)."""
 
-    def __init__(self, onednn: bool = True) -> None:
-        self.onednn = onednn
+    def __init__(self, onednn: bool = True, packed: bool | None = None) -> None:
+        self.onednn, self.pack = onednn, onednn if packed is None else packed
         self.packed: dict[tuple, _Packed] = {}  # (data_ptr, shape, stride) of a weight -> its packed form
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, relu: bool = False) -> Tensor:
@@ -154,7 +156,7 @@ class Products:
                     continue  # packed already, in this precision, by an outer block
                 if int8:
                     self.packed[key] = _int8_packed(w, b)
-                elif self._use_onednn(w, w):
+                elif self.pack and _onednn_runs(w, w):
                     blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 128)
                     self.packed[key] = _Packed(w, w._version, blocked=blocked)
             yield
@@ -162,12 +164,16 @@ class Products:
             self.packed = outer
 
     def _use_onednn(self, x: Tensor, weight: Tensor) -> bool:
-        return (
-            self.onednn
-            and _plain_cpu_float32(x, weight)
-            and torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled
-        )
+        return self.onednn and _onednn_runs(x, weight)
+
+
+def _onednn_runs(x: Tensor, weight: Tensor) -> bool:
+    """Whether oneDNN can make this product: plain float32 CPU operands, oneDNN there and enabled."""
+    return (
+        _plain_cpu_float32(x, weight)
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+    )
 
 
 def _int8_packed(w: Tensor, b: Tensor | None) -> _Packed:

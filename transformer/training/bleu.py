@@ -14,7 +14,8 @@ from transformer.config import DecodeConfig, to_dict
 from transformer.data.sources import Split
 from transformer.data.tokenizer import Tokenizer
 from transformer.inference.evaluation import published, score_all, wants_lowercase
-from transformer.inference.translation import Translator
+from transformer.inference.translation import Translator, rows
+from transformer.kernels.timing import decoding_kernels
 from transformer.training.state import Run
 from transformer.utils import atomic
 
@@ -25,13 +26,13 @@ def valid_bleu(run: Run, text: Split) -> dict[str, float]:
     checkpoint, device, search = str(run.run_dir), str(run.runtime.device), to_dict(run.cfg.finish.search)
     # the weights stay as they train (fp32), the search in dynamic shapes
     cfg = DecodeConfig(checkpoint=checkpoint, device=device, precision="fp32", cuda_graphs=False, **search)
-    translator = Translator(run.model, Tokenizer.from_bytes(run.spm_model), cfg, kernels=run.runtime.kernels)
-    run.model.eval()
-    try:  # bf16 autocast on CUDA; a CPU decodes fastest in fp32 with its kernels
-        with run.runtime.autocast() if run.runtime.device.type == "cuda" else nullcontext():
-            hypotheses = translator.translate(text.src)
-    finally:
-        run.model.train()
+    setting = run.cfg.trainer.cpu_kernels
+    kernels = decoding_kernels(run.model.cfg, run.runtime.device, setting, False, *rows(cfg))
+    model = kernels.apply(run.model).eval()  # decoding's kernels, the training weights themselves
+    translator = Translator(model, Tokenizer.from_bytes(run.spm_model), cfg, kernels=kernels)
+    # bf16 autocast on CUDA; a CPU decodes fastest in fp32 with its kernels
+    with run.runtime.autocast() if run.runtime.device.type == "cuda" else nullcontext():
+        hypotheses = translator.translate(text.src)
     data = run.cfg.data
     figures = published(data.name, "test") or published(data.name, "valid")
     metric = figures[0].metric if figures else "tokenized"  # the corpus's published one
