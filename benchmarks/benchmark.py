@@ -17,7 +17,8 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
         instruction set chooses fewer than all (AVX2), on (cpu_kernels=on), as in decode;
         each eager and under torch.compile (ours by regions with dynamic shapes, as training compiles
         it; the peers whole with static shapes; `--no-compile` skips compiling). Reported: target tokens/s
-        (median of `--steps` steps, the models interleaved step by step so a busy machine slows all alike),
+        (median of `--steps` steps, the models interleaved step by step so a busy machine slows all alike;
+        more while `--time-box` seconds last),
         FLOPs counted by
         torch.utils.flop_counter on one eager step, model FLOP utilisation against a matmul peak measured in
         this run (bf16 on CUDA, fp32 on the CPU), the step's peak memory above the resident weights and Adam
@@ -28,13 +29,14 @@ train   One optimizer step (forward + backward + Adam, label-smoothed cross-entr
         measured with `--big`, else its speed is the base speed scaled by the FLOPs counted for both.
 decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output tokens (EOS suppressed
         until then): beam 4 over `--beam-sentences` and greedy over `--greedy-sentences` for ours
-        (beam_search with min_len, greedy as its beam of 1; on a CPU also with the kernels off, and on
-        where the instruction set chooses fewer, and in 8 bits (precision=int8; x86 only), with the
-        weights packed once for all runs (for oneDNN where its products run, in 8 bits for int8), as
-        translate.py packs them once for all batches; on CUDA also beam_search in static shapes with
-        each step a CUDA graph replay, as translate.py cuda_graphs=true), Hugging Face `generate` and
-        CTranslate2 (the same Marian model converted; fp32 on the CPU, `--ct2-compute` on CUDA): output
-        tokens/s, sentences/s.
+        (beam_search with min_len, greedy as its beam of 1, with the CPU kernels translate.py times on
+        this machine; on a CPU also with the kernels off, and on where that choice is fewer, and in 8
+        bits (precision=int8; x86 only), with the weights packed once for all runs (for oneDNN where
+        the choice packs them, in 8 bits for int8), as translate.py packs them once for all batches;
+        on CUDA also beam_search in static shapes with each step a CUDA graph replay, as translate.py
+        cuda_graphs=true), Hugging Face `generate` and CTranslate2 (the same Marian model converted;
+        fp32 on the CPU, `--ct2-compute` on CUDA): output tokens/s, sentences/s, over `--decode-rounds`
+        rounds (more while `--time-box` seconds last).
         The goals compare the fastest of ours with each peer.
 data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at `--data-budget` tokens:
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
@@ -67,6 +69,9 @@ compiled model, a decoder) is left out with a note. The report ends with the pro
 device (bench/report.py: TRAIN_GOAL, MEMORY_GOAL_GIB, DECODE_GOALS), met or not. `--json` writes every
 figure. Sizes: tiny (smoke tests), base (the paper's base model: N=6, d_model=512, h=8, d_ff=2048,
 vocab 37000); the big model is d_model=1024, h=16, d_ff=4096.
+
+Every ratio ours / peer is the median of the rounds' ratios (a round times every model once, so a
+busy moment slows all alike), printed with their range; a goal is met only where that median meets it.
 
 The code, one file per part under harness/: measure.py (timing, interleaving, matmul peak, FLOPs, memory),
 peers.py (the peer models and the CTranslate2 process), train.py, decode.py, data.py (the sections),
@@ -109,7 +114,7 @@ DEFAULTS = {
     "real_batches": (20, 4),
     "beam_sentences": (128, 32),
     "greedy_sentences": (512, 64),
-    "decode_rounds": (3, 3),
+    "decode_rounds": (5, 5),
     "loop_steps": ("100,200", "3,3"),  # the first steps (from process start), then the steady ones
 }
 
@@ -138,7 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=40, help="decode: output tokens per sentence")
     p.add_argument("--beam-sentences", type=int, help="decode: sentences for beam 4 (cuda 128, cpu 32)")
     p.add_argument("--greedy-sentences", type=int, help="decode: sentences for greedy (512 / 64)")
-    p.add_argument("--decode-rounds", type=int, help="decode: timed runs per decoder (3)")
+    p.add_argument("--decode-rounds", type=int, help="decode: timed runs per decoder, at least (5)")
+    p.add_argument(
+        "--time-box", type=float, default=0.0, help="train, decode: go on timing rounds for this many seconds"
+    )
     p.add_argument("--ct2-compute", default="bfloat16", help="decode: CTranslate2 compute type on CUDA")
     p.add_argument("--data-pairs", type=int, default=4_500_000, help="data: synthetic pairs to batch")
     p.add_argument("--data-budget", type=int, default=25_000, help="data: token budget per batch")

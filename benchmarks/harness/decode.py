@@ -22,6 +22,7 @@ from harness.measure import (
     KERNELS_ON,
     Setup,
     interleave,
+    ratio_spread,
     side_kernels,
 )
 from harness.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
@@ -182,7 +183,7 @@ def bench_decode_mode(
             notes.append(f"{name} failed on {setup.device.type} and is left out: {error!r}")
             del decoders[name]
     runs = {name: (lambda _, k=key, run=run: run(inputs[k], beam)) for name, (key, run) in decoders.items()}
-    times = interleave(runs, args.decode_rounds, setup.device, f"decode beam {beam}")
+    times = interleave(runs, args.decode_rounds, setup.device, f"decode beam {beam}", args.time_box)
     rows = []
     for name, results in times.items():
         seconds = statistics.median(s for s, _ in results)
@@ -200,8 +201,9 @@ def bench_decode_mode(
             }
         )
     for r in rows:  # int8 rows against ours int8, the others against the fastest of ours (as the goals)
-        ours = ours_for(rows, r["decoder"])
-        r["ours_over_this"] = None if ours is None else ours["tokens_per_s"] / r["tokens_per_s"]
+        ours = ours_for(rows, r["decoder"])  # the median of the rounds' ratios, and their range
+        spread = (None, None, None) if ours is None else ratio_spread(ours["run_times_s"], r["run_times_s"])
+        r["ours_over_this"], r["ours_over_this_range"] = spread[0], list(spread[1:])
     return {"beam": beam, "sentences": n, "src_len": args.src_len, "new_tokens": args.new_tokens} | {
         "rows": rows
     }

@@ -8,6 +8,7 @@ import gc
 import math
 import os
 import platform
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,16 +78,28 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 
 def interleave(
-    runs: dict[str, Callable[[int], Any]], rounds: int, device: torch.device, desc: str
+    runs: dict[str, Callable[[int], Any]], rounds: int, device: torch.device, desc: str, time_box: float = 0.0
 ) -> dict[str, list[tuple[float, Any]]]:
     """Run each fn(round) once per round, in a rotating order, so that load from other processes
-    falls on every contender alike; returns (seconds, result) per run."""
+    falls on every contender alike: `rounds` rounds, and more while `time_box` seconds from the first
+    have not passed; returns (seconds, result) per run."""
     names = list(runs)
     results: dict[str, list[tuple[float, Any]]] = {name: [] for name in names}
-    for i in tqdm(range(rounds), desc=desc, unit="round", leave=False):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            results[name].append(timed(partial(runs[name], i), device))
+    start, i = time.perf_counter(), 0
+    with tqdm(desc=desc, unit="round", leave=False, total=rounds) as bar:
+        while i < rounds or time.perf_counter() - start < time_box:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                results[name].append(timed(partial(runs[name], i), device))
+            i += 1
+            bar.update(1)
     return results
+
+
+def ratio_spread(ours: list[float], this: list[float]) -> tuple[float, float, float]:
+    """Ours' speed over this one's round by round (this round's seconds over ours'): their median, the
+    lowest and the highest."""
+    ratios = [t / o for o, t in zip(ours, this)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def matmul_peak(device: torch.device) -> tuple[float, str]:

@@ -24,6 +24,7 @@ from harness.measure import (
     interleave,
     matmul_peak,
     peak_memory,
+    ratio_spread,
     release_free_memory,
     side_kernels,
     timed,
@@ -182,7 +183,7 @@ def bench_fixed(
 ) -> list[dict[str, Any]]:
     """Fixed-shape steps of the prepared models, interleaved: tokens/s, FLOPs, memory."""
     runs = {i: (lambda _, t=t: train_step(t, batch, setup)) for i, t in enumerate(trainees)}
-    times = interleave(runs, args.steps, setup.device, "train steps")
+    times = interleave(runs, args.steps, setup.device, "train steps", args.time_box)
     rows = []
     for i, t in enumerate(trainees):
         seconds = statistics.median(s for s, _ in times[i])
@@ -213,10 +214,16 @@ def resident_mib(trainee: Trainee) -> float:
 
 
 def add_ratios(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> None:
-    """ours / this, against our row of the same mode."""
-    ours = {r["mode"]: r[key] for r in rows if r["model"] == "ours"}
+    """ours / this, against our row of the same mode: the median of the rounds' ratios and their range
+    where the rows have each step's time, else the ratio of the speeds."""
+    ours = {r["mode"]: r for r in rows if r["model"] == "ours"}
     for r in rows:
-        r["ours_over_this"] = ours[r["mode"]] / r[key] if r["mode"] in ours else None
+        mine = ours.get(r["mode"])
+        r["ours_over_this"] = None if mine is None else mine[key] / r[key]
+        if mine is not None and "step_times_s" in r:
+            r["ours_over_this"], *r["ours_over_this_range"] = ratio_spread(
+                mine["step_times_s"], r["step_times_s"]
+            )
 
 
 def bench_sampled(
