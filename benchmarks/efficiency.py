@@ -36,6 +36,7 @@ from transformer.kernels import Kernels
 from transformer.model import Transformer
 from transformer.moe import MixtureOfExperts
 from transformer.training.loss import Seq2SeqLoss
+from transformer.utils import atomic
 
 HEADS, HEAD_DIM = 8, 64
 SIZES = {"base": {}, "tiny": dict(d_model=64, d_ff=128, n_layers=2)}  # tiny: for the tests; 8 heads in both
@@ -217,7 +218,8 @@ def plot(result: dict[str, Any], output: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="sequence length", title=f"self-attention: {title}")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(output, dpi=100)
+    with atomic.writing(output) as file:
+        fig.savefig(file, format="png", dpi=100)
     print(f"wrote {output}")
 
 
@@ -251,7 +253,7 @@ def main() -> None:
     if "moe" in sections:
         result["moe"] = section_moe(setup, args)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        atomic.write_bytes(args.json, json.dumps(result, indent=1).encode("utf-8"))
         print(f"wrote {args.json}")
     if args.plot and "attention" in result:
         plot(result, args.plot)

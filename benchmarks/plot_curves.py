@@ -6,7 +6,6 @@ python benchmarks/plot_curves.py runs/a runs/b --perplexity --output ppl.png   #
 """
 
 import argparse
-import os
 from pathlib import Path
 
 import matplotlib
@@ -14,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from transformer.utils import atomic  # noqa: E402
 
 PANELS = (("train/loss", "valid/loss", "label-smoothed loss"), ("train/lr", None, "learning rate"))
 PERPLEXITY = (("train/ppl", None, "training perplexity"), (None, "valid/ppl", "validation perplexity"))
@@ -45,11 +46,8 @@ def plot(run_dirs: list[Path], output: Path, perplexity: bool = False) -> None:
             ax.set(title=title, xlabel="optimizer step", yscale="log" if perplexity else "linear")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    tmp = output.with_name(output.name + ".tmp.png")  # atomic: a crash leaves no half image under the name
-    fig.savefig(tmp, dpi=90)
-    with open(tmp, "rb+") as file:
-        os.fsync(file.fileno())
-    os.replace(tmp, output)
+    with atomic.writing(output) as file:  # a crash leaves no half image under the name
+        fig.savefig(file, format="png", dpi=90)
     print(f"wrote {output}")
 
 

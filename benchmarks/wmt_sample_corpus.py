@@ -14,6 +14,8 @@ from pathlib import Path
 
 from sacremoses import MosesDetokenizer
 
+from transformer.utils import atomic
+
 SAMPLES = (
     "opennmt_wmt_sample10k.tok",
     "stanford_wmt14_train_head10k.tok",
@@ -34,9 +36,9 @@ def main() -> None:
         for sample in SAMPLES:
             text = (args.shared_data / "wmt_sample" / f"{sample}.{lang}").read_text(encoding="utf-8")
             lines += [detokenize(line.replace("@@ ", "").split()) for line in text.splitlines()]
-        (args.out / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        atomic.write_bytes(args.out / f"train.{lang}", ("\n".join(lines) + "\n").encode("utf-8"))
         valid = (args.shared_data / "wmt14" / f"newstest2013.{lang}").read_text(encoding="utf-8")
-        (args.out / f"valid.{lang}").write_text(valid, encoding="utf-8")
+        atomic.write_bytes(args.out / f"valid.{lang}", valid.encode("utf-8"))
         print(f"{args.out}: train.{lang} {len(lines)} lines, valid.{lang} {len(valid.splitlines())} lines")
 
 

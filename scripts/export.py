@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from transformer.config import ConfigError, ExportConfig, app_defaults, from_dict
+from transformer.utils import atomic
 from transformer.utils.cli import exit_with_error
 
 ConfigStore.instance().store(name="export_defaults", node=app_defaults("export"))  # every default
@@ -55,7 +56,7 @@ def export(cfg: ExportConfig) -> Path:
             export_huggingface(model, ckpt["spm_model"], written)
         if out.exists():
             out.rmdir()  # empty (checked above)
-        os.replace(written, out)
+        atomic.rename(written, out)
     return out
 
 

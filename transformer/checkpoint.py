@@ -36,7 +36,6 @@ import errno
 import logging
 import os
 import re
-import secrets
 import shutil
 import zipfile
 from collections.abc import Sequence
@@ -49,7 +48,6 @@ import torch
 from transformer.config import ConfigError, ModelConfig, from_dict, to_dict
 from transformer.model import Transformer
 from transformer.utils import atomic
-from transformer.utils.atomic import TEMP_SUFFIX
 from transformer.vocab import PAD_ID
 
 FORMAT = "transformer-checkpoint"
@@ -250,7 +248,7 @@ def _link_last(newest: Path, last: Path) -> None:
     """`last` (checkpoint_last.pt, checkpoint_best.pt) as a hard link to the newest numbered file (no
     second copy on disk), replaced atomically; a copy where the filesystem has no hard links. A copy
     that fails leaves no older file under the name."""
-    temp = last.with_name(f".{last.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    temp = atomic.temp_name(last)
     try:
         os.link(newest, temp)
     except OSError:
@@ -263,7 +261,7 @@ def _link_last(newest: Path, last: Path) -> None:
                 f"{newest} was saved, but copying it to {last.name} failed: {error}"
             ) from None
         return
-    os.replace(temp, last)
+    atomic.rename(temp, last)
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
@@ -318,7 +316,7 @@ def set_aside_newer(run_dir: str | Path, step: int) -> list[Path]:
     for path, at in [*numbered, *((p, _step_of(p)) for p in named if p.is_file())]:
         if at is not None and at > step:
             moved.append(path.with_name(path.name + ".not_resumed"))
-            os.replace(path, moved[-1])
+            atomic.rename(path, moved[-1])
             log.warning("moved %s aside to %s: this run continues from step %d", path, moved[-1].name, step)
     return moved
 
