@@ -18,7 +18,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.config import TrainConfig
 from transformer.training.bleu import valid_bleu
-from transformer.training.distributed import all_reduce_sum, attention_backends, shutdown
+from transformer.training.distributed import all_reduce_sum, attention_backends
 from transformer.training.graphs import StepGraphs
 from transformer.training.monitor import Monitor, bf16_peak_flops
 from transformer.training.plan import Plan
@@ -60,7 +60,7 @@ def train(cfg: TrainConfig, parts: Parts | None = None) -> Path:
         return plan.run_dir
     finally:
         objective = None  # DDP's reducer goes before the process group does (distributed.shutdown)
-        shutdown(plan.runtime)
+        plan.close()
 
 
 def _loop(

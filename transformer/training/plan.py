@@ -35,6 +35,7 @@ from transformer.data.prepare import prepare
 from transformer.kernels import Kernels
 from transformer.training.distributed import Runtime, init_runtime, shutdown, wait_for_main
 from transformer.training.finish import check_finish
+from transformer.training.lock import lock, unlock
 from transformer.training.state import Resume
 from transformer.utils.atomic import remove_temp_files
 
@@ -66,13 +67,21 @@ class Plan:
         plan = cls(cfg, runtime, resume=None)
         try:
             plan.cuda_graphs()  # a mistake in trainer.cuda_graphs, said before any file is touched
+            if runtime.is_main:  # one writer per run directory, from here to `close`
+                lock(plan.run_dir)
             plan.resume = find_resume(cfg, runtime)
             runtime.kernels = choose_kernels(cfg, runtime, plan.resume)
         except BaseException:
-            shutdown(runtime)
+            plan.close()
             raise
         plan.log_start()
         return plan
+
+    def close(self) -> None:
+        """The end of the run's process group and of its hold on the run directory."""
+        shutdown(self.runtime)
+        if self.runtime.is_main:
+            unlock(self.run_dir)
 
     def with_data(self) -> Plan:
         """The corpus (prepared by rank 0 while the others wait) and what it decides."""

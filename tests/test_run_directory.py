@@ -1,0 +1,103 @@
+"""A run directory nothing can clobber: one writer at a time, a lock a killed process never leaves
+behind. CPU only."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from test_training_run import (  # noqa: F401 (the corpus fixture)
+    ENV,
+    ROOT,
+    compose_config,
+    corpus,
+    overrides,
+)
+
+from transformer.checkpoint import list_checkpoints
+from transformer.training import Plan
+from transformer.training import lock as run_lock
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def holder(run_dir) -> subprocess.Popen:
+    """Another process that takes the run directory's lock and waits; its PID is the holder's."""
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from transformer.training.lock import lock
+        lock({str(run_dir)!r})
+        print("locked", flush=True)
+        time.sleep(600)
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "locked"
+    return process
+
+
+def test_a_second_launch_on_a_held_run_directory_stops_before_writing_anything(corpus, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    first = holder(run_dir)
+    try:
+        args = overrides(corpus, run_dir, "trainer.max_steps=2")
+        done = subprocess.run(
+            [sys.executable, ROOT / "train.py", *args], env=ENV, capture_output=True, text=True
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: {run_dir} is in use by another training run (PID {first.pid}); wait for it to end, stop "
+            "it, or choose another trainer.run_dir"
+        ]
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # no .hydra/, no log, no checkpoint
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_the_lock_of_a_killed_run_never_blocks_the_next(corpus, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    first = holder(run_dir)
+    with pytest.raises(run_lock.RunDirectoryInUse, match=f"PID {first.pid}"):
+        run_lock.lock(run_dir)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    args = overrides(corpus, run_dir, "trainer.max_steps=2", "trainer.eval_every_steps=0")
+    done = subprocess.run([sys.executable, ROOT / "train.py", *args], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in list_checkpoints(run_dir)] == ["checkpoint_2.pt"]
+
+
+def test_one_process_may_take_its_own_lock_again_and_holds_it_until_the_last_release(tmp_path):
+    code = f"from transformer.training.lock import lock; lock({str(tmp_path)!r})"
+    run_lock.lock(tmp_path)
+    run_lock.lock(tmp_path)  # the Hydra callback, then the training plan
+    run_lock.unlock(tmp_path)
+    refused = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True)
+    assert refused.returncode == 1 and f"PID {os.getpid()}" in refused.stderr
+    run_lock.unlock(tmp_path)
+    assert subprocess.run([sys.executable, "-c", code], env=ENV).returncode == 0
+
+
+def test_a_filesystem_without_locks_is_warned_about_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, operation):
+        raise OSError(37, "No locks available")  # ENOLCK, as some network filesystems answer
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING):
+        run_lock.lock(tmp_path)
+    run_lock.unlock(tmp_path)
+    assert f"{tmp_path}: cannot lock the run directory (No locks available)" in caplog.text
+
+
+def test_the_training_plan_holds_the_run_directory_while_it_runs(corpus, tmp_path):  # noqa: F811
+    code = f"from transformer.training.lock import lock; lock({str(tmp_path)!r})"
+    plan = Plan.make(compose_config(overrides(corpus, tmp_path, "trainer.max_steps=2")))
+    held = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True)
+    plan.close()
+    assert held.returncode == 1 and "is in use by another training run" in held.stderr
+    assert subprocess.run([sys.executable, "-c", code], env=ENV).returncode == 0
