@@ -1,5 +1,5 @@
-"""A run directory nothing can clobber: one writer at a time, a lock a killed process never leaves
-behind. CPU only."""
+"""A run directory nothing can clobber or change silently: one writer at a time (a lock a killed process
+never leaves behind), a resume that refuses another tokenizer or batch budget unless told. CPU only."""
 
 import logging
 import os
@@ -17,8 +17,10 @@ from test_training_run import (  # noqa: F401 (the corpus fixture)
     overrides,
 )
 
-from transformer.checkpoint import list_checkpoints
-from transformer.training import Plan
+from transformer.checkpoint import list_checkpoints, load_checkpoint, write_checkpoint
+from transformer.config import ConfigError
+from transformer.data.prepare import SPM_FILE
+from transformer.training import Plan, train
 from transformer.training import lock as run_lock
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -101,3 +103,77 @@ def test_the_training_plan_holds_the_run_directory_while_it_runs(corpus, tmp_pat
     plan.close()
     assert held.returncode == 1 and "is in use by another training run" in held.stderr
     assert subprocess.run([sys.executable, "-c", code], env=ENV).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def two_steps(corpus, tmp_path_factory):  # noqa: F811
+    """A run of two steps to resume from."""
+    run_dir = tmp_path_factory.mktemp("two_steps")
+    train(compose_config(overrides(corpus, run_dir, "trainer.max_steps=2", "trainer.eval_every_steps=0")))
+    return run_dir / "checkpoints" / "checkpoint_2.pt"
+
+
+@pytest.mark.parametrize(
+    ("change", "old", "new"),
+    [
+        ("trainer.max_tokens", 500, 400),
+        ("trainer.tokens_per_step", 1000, 1500),
+        ("trainer.pad_to_multiple", 1, 4),
+    ],
+)
+def test_a_resume_with_another_batch_budget_is_refused_unless_accepted(
+    corpus,  # noqa: F811
+    two_steps,
+    tmp_path,
+    caplog,
+    change,
+    old,
+    new,
+):
+    args = overrides(
+        corpus, tmp_path, "trainer.max_steps=4", f"trainer.resume={two_steps}", f"{change}={new}"
+    )
+    with pytest.raises(ConfigError) as refused:
+        train(compose_config(args))
+    assert str(refused.value) == (
+        f"{two_steps} was trained with other {change} ({old} -> {new}): the run would go on with other "
+        f"batches; undo the change, or set trainer.resume_changes=[{change}] to go on knowingly"
+    )
+    assert not (tmp_path / "checkpoints").exists()
+    with caplog.at_level(logging.WARNING):
+        train(compose_config([*args, f"trainer.resume_changes=[{change}]"]))
+    assert f"resumed with {change} {old} -> {new} (trainer.resume_changes)" in caplog.text
+    assert load_checkpoint(tmp_path / "checkpoints" / "checkpoint_4.pt")["step"] == 4
+
+
+def test_a_resume_onto_another_tokenizer_of_the_same_size_is_refused_unless_accepted(
+    corpus,  # noqa: F811
+    two_steps,
+    tmp_path,
+    caplog,
+):
+    """The same corpus and vocabulary size, the tokenizer learned from another sample: other pieces."""
+    other = tmp_path / "other_data"
+    args = [*overrides(corpus, tmp_path / "run", "trainer.max_steps=4", f"trainer.resume={two_steps}")]
+    args += [f"data.dir={other}", "data.spm_sample_size=150"]
+    with pytest.raises(
+        ConfigError, match=r"trained with other tokenizer \(not .*spm.model\): the run would go on"
+    ):
+        train(compose_config(args))  # refused once the data is prepared, before any step
+    assert (other / SPM_FILE).read_bytes() != load_checkpoint(two_steps)["spm_model"]
+    with pytest.raises(ConfigError, match=r"trainer.resume_changes=\[tokenizer\]"):
+        train(compose_config(args))  # the data is prepared now: refused before it is read
+    with caplog.at_level(logging.WARNING):
+        train(compose_config([*args, "trainer.resume_changes=[tokenizer]"]))
+    assert "resumed with tokenizer not" in caplog.text
+
+
+def test_a_checkpoint_that_recorded_none_of_the_compared_settings_still_resumes(corpus, two_steps, tmp_path):  # noqa: F811
+    old = load_checkpoint(two_steps)
+    for key in ("max_tokens", "tokens_per_step", "pad_to_multiple"):
+        del old["config"]["trainer"][key]
+    del old["spm_model"]
+    write_checkpoint(old, tmp_path / "old.pt")
+    args = overrides(corpus, tmp_path / "run", "trainer.max_steps=3", f"trainer.resume={tmp_path / 'old.pt'}")
+    train(compose_config([*args, "trainer.max_tokens=400"]))
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_3.pt")["step"] == 3

@@ -69,6 +69,9 @@ DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 LENGTH_BUCKETS = {"cuda": 12}
 # torch's scaled_dot_product_attention backends; flash takes no padding mask (training has them)
 ATTENTION_BACKENDS = ("flash", "efficient", "cudnn", "math")
+# what a resume compares with its checkpoint, as it changes what the run means (the data position's
+# batches, the token ids); trainer.resume_changes accepts a difference knowingly
+RESUME_CHANGES = ("tokenizer", "trainer.tokens_per_step", "trainer.max_tokens", "trainer.pad_to_multiple")
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: the CPU's 8-bit products (kernels/onednn.py)
 EXPORT_FORMATS = ("ctranslate2", "huggingface")
@@ -386,6 +389,8 @@ class TrainerConfig(DeviceConfig):
     # the device's busy share in <run_dir>/profile (transformer/training/profile.py); None = off
     profile_steps: list[int] | None = None
     resume: str = "auto"  # "auto" (newest valid checkpoint in run_dir) | "never" | a checkpoint path
+    # differences from the resumed checkpoint accepted knowingly, of RESUME_CHANGES, e.g. [trainer.max_tokens]
+    resume_changes: list[str] = field(default_factory=list)
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
     seed: int = 1
     progress: bool = True
@@ -416,6 +421,8 @@ class TrainerConfig(DeviceConfig):
             self.length_buckets is None or self.length_buckets >= 0, "length_buckets", "must be >= 0"
         )
         self.require_choice("best_metric", ("loss", "bleu"))
+        unknown = sorted(set(self.resume_changes) - set(RESUME_CHANGES))
+        self.require(not unknown, "resume_changes", f"has {unknown}: each must be {one_of(RESUME_CHANGES)}")
         if self.profile_steps is not None:
             steps = self.profile_steps
             self.require(

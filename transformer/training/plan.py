@@ -28,10 +28,11 @@ from transformer.checkpoint import (
     load_checkpoint,
     set_aside_newer,
 )
-from transformer.config import LENGTH_BUCKETS, ConfigError, TrainConfig
+from transformer.config import LENGTH_BUCKETS, RESUME_CHANGES, ConfigError, TrainConfig
 from transformer.data.batching import Batch, TokenBudgetBatchSampler
 from transformer.data.corpus import Corpus, batches_forever, read_corpus
-from transformer.data.prepare import prepare
+from transformer.data.prepare import SPM_FILE, prepare
+from transformer.data.tokenizer import Tokenizer
 from transformer.kernels import Kernels
 from transformer.training.distributed import Runtime, init_runtime, shutdown, wait_for_main
 from transformer.training.finish import check_finish
@@ -91,11 +92,10 @@ class Plan:
         wait_for_main(runtime)
         corpus = read_corpus(cfg, runtime.rank, runtime.world_size)
         vocab = corpus.meta["vocab_size"]
-        if self.resume is not None and self.resume.ckpt["model_config"]["vocab_size"] != vocab:
-            raise ConfigError(  # the rest of the model was compared before the data (`find_resume`)
-                f"{self.resume.path} holds a model with other settings (vocab_size); set trainer.run_dir to "
-                "a new directory, or trainer.resume=<checkpoint of this model>"
-            )
+        if self.resume is not None:  # the rest of the model was compared before the data (`find_resume`)
+            check_vocabulary(self.resume, vocab)
+        if self.resume is not None and (changes := check_resume_changes(cfg, self.resume, corpus.spm_model)):
+            log.warning("resumed with %s (trainer.resume_changes)", "; ".join(changes))
         sampler = corpus.sampler(cfg.trainer, runtime.rank, runtime.world_size, self.length_buckets())
         batches = batches_forever(sampler, corpus.train, cfg.trainer.pad_to_multiple, runtime.device)
         model = replace(cfg.model, vocab_size=vocab)  # the corpus's vocabulary
@@ -219,6 +219,9 @@ def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
         resume = Resume(Path(trainer.resume), ckpt)
     if resume is not None:  # the vocabulary's size is the prepared data's: compared once it is
         check_same_model(cfg.model, resume.path, resume.ckpt, but=("vocab_size",))
+        tokenizer = Path(cfg.data.dir) / SPM_FILE  # where prepared data is kept, not prepared anew
+        prepared = tokenizer.read_bytes() if tokenizer.is_file() and not cfg.data.force else None
+        check_resume_changes(cfg, resume, prepared)
     if resume is not None and runtime.is_main:
         set_aside_newer(run_dir, resume.ckpt["step"])
         if resume.ckpt["step"] >= trainer.max_steps:
@@ -232,6 +235,39 @@ def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
     if runtime.is_main and checkpoint_dir(run_dir).is_dir():
         remove_temp_files(checkpoint_dir(run_dir))
     return resume
+
+
+def check_vocabulary(resume: Resume, vocab_size: int) -> None:
+    """Refuse to resume a model of another vocabulary (the size the prepared data gives)."""
+    if resume.ckpt["model_config"]["vocab_size"] != vocab_size:
+        raise ConfigError(
+            f"{resume.path} holds a model with other settings (vocab_size); set trainer.run_dir to a new "
+            "directory, or trainer.resume=<checkpoint of this model>"
+        )
+
+
+def check_resume_changes(cfg: TrainConfig, resume: Resume, spm_model: bytes | None) -> list[str]:
+    """Refuse a resume that changes what the run means unless trainer.resume_changes accepts it: the
+    tokenizer (`spm_model`, the data's; None: not known yet) and the batch budget under which the data
+    position is read (RESUME_CHANGES); a checkpoint from before a key was recorded is not compared on it.
+    Returns the differences accepted, as the log says them."""
+    recorded = resume.ckpt.get("config", {}).get("trainer", {})
+    changed = {
+        f"trainer.{key}": f"{recorded[key]} -> {getattr(cfg.trainer, key)}"
+        for key in (name.removeprefix("trainer.") for name in RESUME_CHANGES if name.startswith("trainer."))
+        if key in recorded and recorded[key] != getattr(cfg.trainer, key)
+    }
+    if resume.ckpt.get("spm_model") and spm_model is not None and resume.ckpt["spm_model"] != spm_model:
+        check_vocabulary(resume, Tokenizer.from_bytes(spm_model).vocab_size)  # the model's own error first
+        changed["tokenizer"] = f"not {Path(cfg.data.dir) / SPM_FILE}"
+    refused = [key for key in changed if key not in cfg.trainer.resume_changes]
+    if refused:
+        raise ConfigError(
+            f"{resume.path} was trained with other {', '.join(f'{k} ({changed[k]})' for k in refused)}: "
+            f"the run would go on with {'other token ids' if 'tokenizer' in refused else 'other batches'}; "
+            f"undo the change, or set trainer.resume_changes=[{','.join(refused)}] to go on knowingly"
+        )
+    return [f"{key} {change}" for key, change in changed.items()]
 
 
 def choose_kernels(cfg: TrainConfig, runtime: Runtime, resume: Resume | None) -> Kernels:
