@@ -1,5 +1,6 @@
 """A run directory nothing can clobber or change silently: one writer at a time (a lock a killed process
-never leaves behind), a resume that refuses another tokenizer or batch budget unless told. CPU only."""
+never leaves behind), a resume that refuses another tokenizer or batch budget unless told, TensorBoard
+without the steps a resume redid. CPU only."""
 
 import logging
 import os
@@ -177,3 +178,18 @@ def test_a_checkpoint_that_recorded_none_of_the_compared_settings_still_resumes(
     args = overrides(corpus, tmp_path / "run", "trainer.max_steps=3", f"trainer.resume={tmp_path / 'old.pt'}")
     train(compose_config([*args, "trainer.max_tokens=400"]))
     assert load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_3.pt")["step"] == 3
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(corpus, tmp_path):  # noqa: F811
+    """Steps 1-4 logged, a resume from step 2 (the later checkpoints lost): steps 3 and 4 logged again,
+    each step once in what TensorBoard reads."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = overrides(corpus, tmp_path, "trainer.save_every_steps=2", "trainer.log_every_steps=1")
+    train(compose_config([*args, "trainer.max_steps=4"]))
+    for name in ("checkpoint_4.pt", "checkpoint_last.pt"):
+        (tmp_path / "checkpoints" / name).unlink()
+    train(compose_config([*args, "trainer.max_steps=4"]))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]

@@ -95,7 +95,10 @@ class Monitor:
         if enabled:
             from torch.utils.tensorboard import SummaryWriter  # a second to import; only rank 0 needs it
 
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            # a resumed run's events replace those the interrupted one wrote past its checkpoint
+            self.writer = SummaryWriter(
+                str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
+            )
         self.bar = tqdm(
             total=max_steps,
             initial=start_step,
