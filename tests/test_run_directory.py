@@ -1,6 +1,6 @@
 """A run directory nothing can clobber or change silently: one writer at a time (a lock a killed process
 never leaves behind), a resume that refuses another tokenizer or batch budget unless told, TensorBoard
-without the steps a resume redid. CPU only."""
+without the steps a resume redid, checkpoints to average that meet the last step. CPU only."""
 
 import logging
 import os
@@ -193,3 +193,20 @@ def test_tensorboard_after_a_resume_shows_each_step_once(corpus, tmp_path):  # n
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
+def test_averaging_checkpoints_that_miss_the_last_step_is_warned_at_the_start(corpus, tmp_path, caplog):  # noqa: F811
+    args = ["trainer.max_steps=10", "trainer.save_every_steps=3", "finish.average_last=2"]
+    with caplog.at_level(logging.WARNING):
+        Plan.make(compose_config(overrides(corpus, tmp_path, *args))).close()
+    assert "trainer.save_every_steps=3 does not divide trainer.max_steps=10" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Plan.make(compose_config(overrides(corpus, tmp_path, *args, "trainer.save_every_steps=5"))).close()
+    assert "does not divide" not in caplog.text
+
+
+def test_paper_base_saves_at_an_interval_that_meets_its_last_step():
+    for experiment in ("paper_base", "paper_big"):
+        cfg = compose_config([f"experiment={experiment}"])
+        assert cfg.trainer.max_steps % cfg.trainer.save_every_steps == 0, experiment

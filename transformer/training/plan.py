@@ -199,6 +199,15 @@ def check_settings(cfg: TrainConfig) -> None:
             f"trainer.resume={trainer.resume}: no such file (use auto, never or a checkpoint path)"
         )
     check_finish(cfg)
+    every, average = trainer.save_every_steps, cfg.finish.average_last
+    if average > 1 and every and trainer.max_steps % every:
+        log.warning(
+            "trainer.save_every_steps=%d does not divide trainer.max_steps=%d: the %d checkpoints "
+            "finish.average_last averages are not evenly spaced up to the last step (choose a divisor)",
+            every,
+            trainer.max_steps,
+            average,
+        )
 
 
 def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
