@@ -44,6 +44,7 @@ class StepGraphs:
         self.values = torch.zeros(6, dtype=torch.float64, device=device)
         self.shapes: dict[tuple[int, ...], tuple[Batch, Callable[[], None]]] = {}
         self.replay_update: Callable[[], None] | None = None
+        self.failed: Exception | None = None  # a recording that failed: the steps go on eagerly
 
     def queue(self, counts: Tensor, micro: list[Batch]) -> tuple[Tensor, list[str]]:
         """Queue the step: (the device tensor `finish_step` reads, its figures' names: none)."""
@@ -52,18 +53,18 @@ class StepGraphs:
             self.sums.zero_()
             for batch in micro:
                 self._forward_backward(batch)
-            if self.replay_update is None:
-                with warnings.catch_warnings():  # its eager run: capturable Adam outside a graph, once
-                    warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
-                    self.replay_update = self.record(self._update)
-            else:
+            if self.replay_update is not None and self.failed is None:
                 self.replay_update()
+            else:
+                with warnings.catch_warnings():  # eager: capturable Adam outside a graph
+                    warnings.filterwarnings("ignore", "This instance was constructed with capturable=True")
+                    self.replay_update = self._record(self._update)
             values = self.values.clone()  # this step's, whatever the next step's replays write
         return values, []
 
     def _forward_backward(self, batch: Batch) -> None:
         shape = (*batch.src.shape, *batch.tgt_in.shape)
-        if shape in self.shapes:
+        if shape in self.shapes and self.failed is None:
             inputs, replay = self.shapes[shape]
             for static, new in zip(_tensors(inputs), _tensors(batch)):
                 static.copy_(new)
@@ -77,11 +78,38 @@ class StepGraphs:
             loss, nll, _ = forward_backward(self.objective, inputs, scale, runtime, cfg.max_tokens)
             self.sums += torch.stack([loss, nll])
 
-        self.shapes[shape] = inputs, self.record(work)
+        if (replay := self._record(work)) is not None:
+            self.shapes[shape] = inputs, replay
 
     def _update(self) -> None:
         values, _ = update(self.run, self.sums, self.counts, {}, set_to_none=False)
         self.values.copy_(values)
+
+    def _record(self, work: Callable[[], None]) -> Callable[[], None] | None:
+        """`work` run once, as this step's, and its replay; None where a recording failed, now or before
+        (`failed`): the work ran eagerly all the same, and the step goes on so."""
+        if self.failed is not None:
+            work()
+            return None
+        ran = False
+
+        def tracked() -> None:
+            nonlocal ran
+            work()
+            ran = True
+
+        try:
+            return self.record(tracked)
+        except Exception as error:
+            if not ran:  # the work itself failed: not the recording's doing
+                raise
+            self.failed = error
+            return None
+
+    def release(self) -> None:
+        """Give the optimizer back to plain steps: learning rates as numbers, not capturable."""
+        for group in self.run.optimizer.param_groups:
+            group.update(lr=float(group["lr"]), capturable=False)
 
 
 @contextmanager

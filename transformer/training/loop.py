@@ -1,8 +1,9 @@
 """The training loop (§5): it executes a run's `Plan` (plan.py) step after step: token-budget batches,
 the label-smoothed loss, Adam with the schedule of Eq. (3), validations, self-describing checkpoints
 and exact resume. What it is made of: `state` (model, optimizer, what a checkpoint saves), `step` (one
-optimizer step), `policy` (when to validate, save and stop), `monitor` (what it logs); the `Parts` it
-runs with are handed in, so that a test or a tool can swap one."""
+optimizer step), `fallback` (the speed paths a failed step turns off), `policy` (when to validate, save
+and stop), `monitor` (what it logs); the `Parts` it runs with are handed in, so that a test or a tool
+can swap one."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.config import TrainConfig
 from transformer.training.bleu import valid_bleu
-from transformer.training.distributed import all_reduce_sum, attention_backends
+from transformer.training.distributed import all_reduce_sum
+from transformer.training.fallback import SpeedPaths
 from transformer.training.graphs import StepGraphs
 from transformer.training.monitor import Monitor, bf16_peak_flops
 from transformer.training.plan import Plan
@@ -82,12 +84,13 @@ def _loop(
         parts.clock,
     )
     policy, micro = Policy(trainer, runtime, run.step, parts.clock), None
-    with monitor, policy, attention_backends(trainer.attention_backends), logging_redirect_tqdm():
+    speed = SpeedPaths(run, (objective, validated), graphs, parts.queue_step, monitor)
+    with monitor, policy, logging_redirect_tqdm():
         log.info("training steps %d to %d", run.step + 1, trainer.max_steps)  # a signal now stops cleanly
         while run.step < trainer.max_steps and not run.early_stopped:
             micro = micro or [next(batches) for _ in range(accum)]
             monitor.before_step(run.step + 1)
-            queued = parts.queue_step(run, objective, micro, policy.requests(), graphs)
+            queued = speed.queue(micro, policy.requests())  # redone on the plain path if a speed path fails
             consumed = run.sampler.state_dict()  # what a checkpoint of this step resumes from
             # the next step's batches are read and sent while the device works on this one
             upcoming = [next(batches) for _ in range(accum)] if run.step + 1 < trainer.max_steps else None
@@ -96,7 +99,8 @@ def _loop(
             decision = policy.after_step(run.step, stats, stop, save_due)
             if stats["finite"]:
                 monitor.step(run.step, stats)
-            with torch.compiler.set_stance("force_eager"):  # compiled for training steps only
+            # compiled for training steps only
+            with speed.context(), torch.compiler.set_stance("force_eager"):
                 best = _validate(plan, run, decision, validated, monitor)
             numbered = decision.save or run.early_stopped  # the last checkpoint of an early stop
             if numbered or best:

@@ -214,6 +214,12 @@ class Monitor:
                 self.writer.add_scalar(f"valid/{name}", value, step)
             log.info("step %d: valid BLEU %.2f (sacreBLEU %.2f)", step, scores["bleu"], scores["sacrebleu"])
 
+    def fallback(self, step: int, message: str) -> None:
+        """A speed path failed at `step` and the run goes on without it (`fallback.SpeedPaths`)."""
+        log.warning("%s", message)
+        if self.enabled:
+            self.writer.add_text("train/fallback", message, step)
+
     def close(self) -> None:
         if self.profiler is not None:  # the run ended inside profile_steps: nothing to report
             self.profiler.cancel()

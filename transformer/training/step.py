@@ -30,9 +30,14 @@ from transformer.training.state import Run
 
 class Replays(Protocol):
     """The step as replays of recorded work (`graphs.StepGraphs`): `queue_step`'s result, given the
-    step's counts on the device and its batches."""
+    step's counts on the device and its batches; `failed`: the error of a recording that failed (the
+    step was finished without replays), after which `release` gives the optimizer back to plain steps."""
+
+    failed: Exception | None
 
     def queue(self, counts: Tensor, micro: list[Batch]) -> tuple[Tensor, list[str]]: ...
+
+    def release(self) -> None: ...
 
 
 def queue_step(
