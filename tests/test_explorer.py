@@ -37,7 +37,7 @@ SENTENCE = "Today the dog sees the cat."
 
 @pytest.fixture(scope="module")
 def server():
-    running = Running("device=cpu", "max_chars=6000")
+    running = Running("device=cpu", "max_chars=6000", "max_request_cost=5000000")  # a long paste drawn
     yield running
     running.process.kill()
 
@@ -128,7 +128,7 @@ def test_another_layer_kind_and_hypothesis_are_drawn_from_their_own_weights(page
     [
         ("", "The text is empty: type a sentence to translate."),
         ("   ", "The text is empty: type a sentence to translate."),
-        ("x" * 7000, "line 0 has 7000 characters; at most 6000"),  # the server's own message
+        ("x" * 7000, "line 0 has 7000 characters; at most 6000 (max_chars)"),  # the server's own message
     ],
     ids=["empty", "blank", "too long"],
 )

@@ -52,6 +52,9 @@ class Running:
             assert line, said + self.process.stderr.read().decode()
             said += line
         self.host, self.port = found.group(1), int(found.group(2))
+        self.log = [said]  # what it says from then on, read as it comes (a full pipe would stall it)
+        reading = (line.decode() for line in self.process.stderr)
+        threading.Thread(target=lambda: self.log.extend(reading), daemon=True).start()
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         connection = http.client.HTTPConnection(self.host, self.port, timeout=120)
@@ -174,7 +177,7 @@ def test_a_bad_request_gets_a_4xx_with_a_message_and_the_server_goes_on(server, 
 def test_an_oversized_body_an_unknown_path_and_attention(server):
     status, answer = server.request("POST", "/translate", b"x" * 20001, {"Content-Type": "application/json"})
     assert status == 413 and "at most 20000" in answer["error"]
-    assert server.request("GET", "/nothing")[0] == 404 and server.request("POST", "/health", b"{}")[0] == 404
+    assert server.request("GET", "/nothing")[0] == 404 and server.request("POST", "/health", b"{}")[0] == 405
     status, answer = server.translate({"text": LINES[0], "attention": True})
     attention = answer["translations"][0]["hypotheses"][0]["attention"]
     assert status == 200 and attention["layers"] == [0, 1] and attention["heads"] == 4

@@ -15,6 +15,7 @@ command line spells it (`trainer.max_steps=0 must be positive`); a list of allow
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import types
 import typing
@@ -593,16 +594,44 @@ class ServeConfig(DecodeConfig):
 
     host: str = "127.0.0.1"  # this machine only; 0.0.0.0 listens on every interface
     port: int = 8000
+    # the Host header values served ("*": any); None: the loopback's names, and host's
+    allowed_hosts: list[str] | None = None
     max_body_bytes: int = 1_000_000  # a larger request is refused (413)
     max_lines: int = 64  # lines per request (and per batch of requests)
     max_chars: int = 10_000  # characters per line
-    batch_wait_ms: float = 10.0  # how long the model waits for more requests to batch with the first
+    batch_wait_ms: float = 10.0  # how long a batch waits for more requests after its first
+    # source pieces x beam (or samples) x output limit (x nbest with attention), summed over the lines
+    max_request_cost: int = 1_000_000
+    max_queue: int = 256  # requests waiting for the model; more are answered 503 with Retry-After
+    request_timeout_s: float = 60.0  # a request not answered by then gets 504 (and is dropped if not run)
+    read_timeout_s: float = 10.0  # a request's head, and its body, arrive within this, or it is cut off
+    keep_alive_s: float = 5.0  # an idle connection is closed after this
+    max_connections: int = 256  # open connections; more are answered 503
+    shutdown_timeout_s: float = 5.0  # SIGTERM: the work in flight finishes within this
 
     def check(self) -> None:
         super().check()
         self.require(0 <= self.port < 65536, "port", "must be in 0..65535 (0: any free port)")
-        self.require_positive("max_body_bytes", "max_lines", "max_chars")
+        self.require_positive("max_body_bytes", "max_lines", "max_chars", "max_request_cost", "max_queue")
+        self.require_positive("request_timeout_s", "read_timeout_s", "keep_alive_s", "max_connections")
         self.require(self.batch_wait_ms >= 0, "batch_wait_ms", "must be >= 0")
+        self.require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
+        if self.allowed_hosts is None and not _loopback(self.host):
+            raise ConfigError(
+                f"host={self.host} serves other machines: name the hosts clients reach it by, "
+                "allowed_hosts=[translate.example.org] (or allowed_hosts=['*'] behind a proxy that checks "
+                "them)"
+            )
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass

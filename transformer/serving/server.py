@@ -1,317 +1,539 @@
-"""A local HTTP endpoint for translation (`scripts/serve.py`), on the standard library's threading HTTP
-server: one thread per connection parses and checks a request, and one model worker thread, the only
-one that touches the model (and the CPU kernels' packed weights), translates the requests queued within
-`batch_wait_ms` of each other in one batch, those with the same search settings together.
+"""A local HTTP endpoint for translation (`scripts/serve.py`): a Starlette app on uvicorn, in front of
+one model worker that batches requests fairly (batching.py); the contract is api.py's.
 
-    GET  /health     {"status": "ok", "checkpoint", "step", "requests", "batches"}
-    POST /translate  {"text": "..." or ["...", ...], any field of SearchConfig ("beam_size", "alpha",
-                      "nbest", "sampling", ...), "attention": bool, "attention_layer": int}
-                     -> {"batch": n, "translations": [{"source", "hypotheses": [{"text", "score",
-                         "log_prob", "pieces", "token_log_probs", "attention"?}]}]}
-    GET  /           the attention explorer (transformer/serving/static/)
+    POST /translate     {"text": "..." or [...], any field of SearchConfig, "attention", "attention_layer"}
+                        -> {"id", "batch", "queued_ms", "run_ms", "translations": [{"source",
+                            "hypotheses": [{"text", "score", "log_prob", "pieces", "token_log_probs",
+                            "attention"?}]}]}
+    GET  /health        {"status": "ok" | "draining", "step", "requests", "batches", "queue"}
+    GET  /metrics       Prometheus text: requests by path and status, latency, batch sizes, queue depth
+    GET  /openapi.json  the contract
+    GET  /              the attention explorer (transformer/serving/static/)
 
-A bad request (malformed JSON, a wrong type or value, too large a body, too many lines, too long a line)
-is answered 4xx with {"error": message}; the server keeps serving. SIGTERM or Ctrl-C stop it cleanly.
+Every error is {"error": message} with a 4xx (or 503, 504) status, and the server keeps serving. Only
+Host names of the loopback are served unless `allowed_hosts` says otherwise, and /translate takes
+application/json alone, so that a web page elsewhere can neither reach it by DNS rebinding nor post to
+it without a CORS preflight (which it refuses). SIGTERM or Ctrl-C drain it: the listener closes, new
+requests get 503 with Connection: close, work in flight finishes within `shutdown_timeout_s`; a second
+signal stops it at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import json
 import logging
-import queue
+import os
+import secrets
 import signal
+import socket
 import threading
-from concurrent.futures import Future
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any
+from typing import Any, NoReturn
 
-from transformer.config import ConfigError, SearchConfig, ServeConfig, from_dict, to_dict
+import h11
+import prometheus_client as prometheus
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from transformer.config import ConfigError, ServeConfig
 from transformer.inference.formats import translation_dict
 from transformer.inference.translation import Translator
 from transformer.inference.visualize import attention_weights
+from transformer.serving.api import BadRequest, openapi, parse_request, request_cost
+from transformer.serving.batching import Batcher, Job, QueueFull
 
 log = logging.getLogger(__name__)
 
-# What a request may choose: the search (the model's settings, its precision among them, stay the server's)
-SETTINGS = [f.name for f in dataclasses.fields(SearchConfig)]
+BACKLOG = 2048  # connections the kernel queues before the server accepts them
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+POLL = 0.2  # seconds between looks at whether a waiting request's client is still there
+INLINE_CHARS = 2000  # a request's text tokenized on the event loop up to this size, in a thread beyond
 STATIC = {  # path -> (file in transformer/serving/static, content type)
     "/": ("index.html", "text/html"),
     "/explorer.js": ("explorer.js", "text/javascript"),
     "/explorer.css": ("explorer.css", "text/css"),
 }
+ROUTES = "GET /, /health, /metrics, /openapi.json; POST /translate"
 
 
-class BadRequest(Exception):
-    """A request the server answers with a 4xx status and the message."""
-
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
-        super().__init__(message)
-        self.status = status
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
 
 
-@dataclass
-class Job:
-    """One request's lines and search, and the future its handler waits on."""
+class Metrics:
+    """What /metrics reports, in a registry of the server's own."""
 
-    lines: list[str]
-    search: SearchConfig
-    attention: bool
-    attention_layer: int | None
-    result: Future
+    def __init__(self, batcher: Batcher) -> None:
+        self.registry = prometheus.CollectorRegistry()
+        self.requests = prometheus.Counter(
+            "http_requests",
+            "Requests answered, by path and status",
+            ["path", "status"],
+            registry=self.registry,
+        )
+        self.latency = prometheus.Histogram(
+            "translate_seconds",
+            "Time from a POST /translate's arrival to its answer",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.batch = prometheus.Histogram(
+            "batch_requests",
+            "Requests translated together in one batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
+        queue = prometheus.Gauge("queue_depth", "Requests waiting for the model", registry=self.registry)
+        queue.set_function(lambda: batcher.depth)
 
 
-class ModelWorker(threading.Thread):
-    """The one thread that runs the model: takes the queued jobs, batches those with the same settings
-    that arrive within `wait` seconds of the first, translates them together."""
+class Service:
+    """The server's state: its settings, the model, the worker and the metrics; `draining` once stopping."""
 
-    def __init__(self, translator: Translator, wait: float, max_lines: int) -> None:
-        super().__init__(daemon=True, name="model-worker")
-        self.translator, self.wait, self.max_lines = translator, wait, max_lines
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.batches = 0
-        self.requests = 0
+    def __init__(self, cfg: ServeConfig, translator: Translator) -> None:
+        self.cfg, self.translator = cfg, translator
+        self.search = translator.cfg.search  # a request's settings go over these
+        self.batcher = Batcher(self.work, cfg.batch_wait_ms / 1000, cfg.max_lines, cfg.max_queue)
+        self.metrics = Metrics(self.batcher)
+        self.draining = False
+        names = cfg.allowed_hosts if cfg.allowed_hosts is not None else [*LOOPBACK, cfg.host]
+        self.hosts = None if "*" in names else {name.lower() for name in names}
 
-    def run(self) -> None:
-        held: list[Job] = []  # taken from the queue, for a later batch (other settings)
-        while True:
-            job = held.pop(0) if held else self.jobs.get()
-            if job is None:
-                return
-            batch, stop = [job], False
-            while sum(len(j.lines) for j in batch) < self.max_lines:
-                try:
-                    other = self.jobs.get(timeout=self.wait)
-                except queue.Empty:
-                    break
-                if other is None:
-                    stop = True
-                    break
-                (batch if other.search == job.search else held).append(other)
-            self._translate(batch)
-            if stop:
-                for job in held:
-                    job.result.set_exception(
-                        BadRequest("the server is stopping", HTTPStatus.SERVICE_UNAVAILABLE)
-                    )
-                return
-
-    def _translate(self, batch: list[Job]) -> None:
-        """Translate the jobs' lines in one batch and answer each job (an error answers them all: the
-        worker itself never stops on one)."""
-        self.batches += 1
-        self.requests += len(batch)
+    def work(self, batch: list[Job]) -> None:
+        """Translate the jobs still waited for in one batch and answer each (in the model's thread)."""
+        jobs = [job for job in batch if not job.dropped]
+        if not jobs:
+            return
+        self.metrics.batch.observe(len(jobs))
+        lines = [line for job in jobs for line in job.request.lines]
+        numbers = [i for job in jobs for i in range(len(job.request.lines))]  # each request's own samples
         try:
-            lines = [line for job in batch for line in job.lines]
-            # each request's lines numbered on their own: its samples, whatever it is batched with
-            numbers = [i for job in batch for i in range(len(job.lines))]
-            found = self.translator.translate_nbest(lines, first=numbers, search=batch[0].search)
-            start = 0
-            for job in batch:
-                answers = []
-                for line, hypotheses in zip(job.lines, found[start : start + len(job.lines)]):
-                    entries = [self._hypothesis(line, h, job) for h in hypotheses]
-                    answers.append({"source": line, "hypotheses": entries})
-                start += len(job.lines)
-                job.result.set_result({"batch": self.batches, "translations": answers})
+            found = self.translator.translate_nbest(lines, first=numbers, search=jobs[0].request.search)
         except (ConfigError, ValueError) as error:
-            self._fail(batch, BadRequest(str(error)))
-        except Exception as error:  # the model failed (out of memory, ...): answer, keep serving
-            log.exception("translation failed")
-            self._fail(batch, error)
-
-    @staticmethod
-    def _fail(batch: list[Job], error: Exception) -> None:
-        for job in batch:
-            if not job.result.done():
-                job.result.set_exception(error)
+            for job in jobs:
+                job.answer(error=BadRequest(str(error)))
+            return
+        start = 0
+        for job in jobs:
+            answers = []
+            for line, hypotheses in zip(job.request.lines, found[start : start + len(job.request.lines)]):
+                answers.append(
+                    {"source": line, "hypotheses": [self._hypothesis(line, h, job) for h in hypotheses]}
+                )
+            start += len(job.request.lines)
+            job.answer(
+                {
+                    "batch": self.batcher.batches,
+                    "queued_ms": round((job.started - job.arrived) * 1e3, 1),
+                    "run_ms": round((time.monotonic() - job.started) * 1e3, 1),
+                    "translations": answers,
+                }
+            )
 
     def _hypothesis(self, source: str, h: Any, job: Job) -> dict[str, Any]:
         entry = translation_dict(h)
-        if job.attention:
+        if job.request.attention:
             t = self.translator
             src_ids, out_ids = t.encode([source])[0], t.tokenizer.encode(h.text) if h.text else []
             entry["attention"] = attention_weights(
-                t.model, t.tokenizer, src_ids, out_ids, job.attention_layer
+                t.model, t.tokenizer, src_ids, out_ids, job.request.attention_layer
             )
         return entry
 
-    def stop(self) -> None:
-        self.jobs.put(None)
+    async def translate(self, request: Request) -> Response:
+        """POST /translate: checked, costed and queued; answered when its batch is done."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise BadRequest(
+                "POST /translate takes Content-Type: application/json", HTTPStatus.UNSUPPORTED_MEDIA_TYPE
+            )
+        body = await self._body(request)
+        parsed = parse_request(body, self.cfg, self.search)
+        translator = self.translator
+        n_layers = translator.model.cfg.n_layers
+        layer = parsed.attention_layer
+        if layer is not None and not -n_layers <= layer < n_layers:
+            raise BadRequest(f"attention_layer={layer} is out of range: the model has {n_layers} layers")
+        try:
+            translator.max_source_tokens(parsed.search)  # an output limit that leaves no room for a source
+        except ConfigError as error:
+            raise BadRequest(str(error)) from None
+        if sum(map(len, parsed.lines)) <= INLINE_CHARS:  # as quick as a hop to a thread
+            sources = translator.encode(parsed.lines, parsed.search)
+        else:
+            sources = await run_in_threadpool(translator.encode, parsed.lines, parsed.search)
+        cost = request_cost(sources, parsed.search, parsed.attention)
+        if cost > self.cfg.max_request_cost:
+            raise BadRequest(
+                f"this request costs {cost:,} (source pieces x beam or samples x output limit, x nbest "
+                f"with attention); this server takes at most max_request_cost={self.cfg.max_request_cost:,}: "
+                "send fewer or shorter lines, or lower beam_size, nbest or max_len_b",
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            )
+        loop = asyncio.get_running_loop()
+        job = Job(request.state.id, parsed, loop.create_future(), loop)
+        try:
+            self.batcher.submit(job)
+        except QueueFull:
+            raise BadRequest(
+                f"{self.cfg.max_queue} requests wait already (max_queue); retry in a moment",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+            ) from None
+        answer = await self._answer(job, request)
+        return JSONResponse({"id": job.id, **answer})
 
-
-def parse_request(
-    body: bytes, limits: dict[str, int], base: SearchConfig
-) -> tuple[list[str], SearchConfig, bool, int | None]:
-    """A POST /translate body -> its lines, its search (the request's settings over the server's, `base`)
-    and attention wishes; BadRequest if it is not a JSON object of the documented fields within the
-    limits, or its settings are not a search translate.py would take."""
-    try:
-        request = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadRequest(f"the body is not JSON: {error}") from None
-    except RecursionError:
-        raise BadRequest("the body is not JSON this server reads: nested too deeply") from None
-    if not isinstance(request, dict):
-        raise BadRequest('the body must be a JSON object: {"text": [...]}')
-    fields = ["text", "attention", "attention_layer", *SETTINGS]
-    unknown = sorted(set(request) - set(fields))
-    if unknown:
-        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    text = request.get("text")
-    lines = [text] if isinstance(text, str) else text
-    if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
-        raise BadRequest('"text" must be a string or a list of strings')
-    if len(lines) > limits["max_lines"]:
-        raise BadRequest(
-            f"{len(lines)} lines; a request takes at most {limits['max_lines']}",
+    async def _body(self, request: Request) -> bytes:
+        """The request's body within max_body_bytes, arrived within read_timeout_s."""
+        cfg = self.cfg
+        length = request.headers.get("content-length")
+        if length is None and "chunked" not in request.headers.get("transfer-encoding", "").lower():
+            raise BadRequest("a POST needs a Content-Length", HTTPStatus.LENGTH_REQUIRED)
+        size = length if length is not None else f"more than {cfg.max_body_bytes}"  # chunked: as it comes
+        too_large = BadRequest(
+            f"the body has {size} bytes; at most {cfg.max_body_bytes} (max_body_bytes)",
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
         )
-    for number, line in enumerate(lines):
-        if not line.isascii() and _not_unicode(line):
-            raise BadRequest(
-                f"line {number} is not Unicode text: it holds a lone surrogate (\\ud800-\\udfff)"
-            )
-        if len(line) > limits["max_chars"]:
-            raise BadRequest(
-                f"line {number} has {len(line)} characters; at most {limits['max_chars']}",
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            )
-    lines = [" ".join(line.splitlines()) for line in lines]
-    try:
-        search = from_dict(SearchConfig, to_dict(base) | {k: request[k] for k in SETTINGS if k in request})
-    except ConfigError as error:
-        raise BadRequest(str(error)) from None
-    attention = request.get("attention", False)
-    layer = request.get("attention_layer")
-    if not isinstance(attention, bool):
-        raise BadRequest('"attention" must be true or false')
-    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
-        raise BadRequest('"attention_layer" must be a whole number')
-    return lines, search, attention, layer
+        if length is not None and int(length) > cfg.max_body_bytes:  # h11 let digits alone through
+            raise too_large
+        body = bytearray()
 
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > cfg.max_body_bytes:
+                    raise too_large
 
-def _not_unicode(line: str) -> bool:
-    """Whether JSON's escapes made a string no UTF-8 can hold (a lone surrogate)."""
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-class Server(ThreadingHTTPServer):
-    """The HTTP server with its model worker and limits."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], translator: Translator, limits: dict[str, int], wait: float):
-        super().__init__(address, Handler)
-        self.translator, self.limits = translator, limits
-        self.search = translator.cfg.search  # a request's settings go over these
-        self.worker = ModelWorker(translator, wait, limits["max_lines"])
-        self.worker.start()
-
-    def server_close(self) -> None:
-        self.worker.stop()
-        self.worker.join(timeout=60)
-        super().server_close()
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: Server
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path == "/health":
-            worker, info = self.server.worker, self.server.translator.info
-            checkpoint = self.server.translator.cfg.checkpoint
-            health = {"status": "ok", "checkpoint": checkpoint, "step": info.get("step")}
-            self._json(HTTPStatus.OK, {**health, "requests": worker.requests, "batches": worker.batches})
-        elif self.path in STATIC:
-            name, kind = STATIC[self.path]
-            body = resources.files("transformer.serving").joinpath("static", name).read_bytes()
-            self._send(HTTPStatus.OK, body, f"{kind}; charset=utf-8")
-        else:
-            self._json(HTTPStatus.NOT_FOUND, {"error": f"no {self.path}: GET /, /health; POST /translate"})
-
-    def do_POST(self) -> None:  # noqa: N802
-        if self.path != "/translate":
-            self._json(HTTPStatus.NOT_FOUND, {"error": f"no {self.path}: POST /translate"})
-            return
         try:
-            translator, server = self.server.translator, self.server
-            lines, search, attention, layer = parse_request(self._body(), server.limits, server.search)
-            try:
-                translator.max_source_tokens(search)  # an output limit that leaves no room for a source
-            except ConfigError as error:
-                raise BadRequest(str(error)) from None
-            n_layers = translator.model.cfg.n_layers
-            if layer is not None and not -n_layers <= layer < n_layers:
-                raise BadRequest(f"attention_layer={layer} is out of range: the model has {n_layers} layers")
-            job = Job(lines, search, attention, layer, Future())
-            self.server.worker.jobs.put(job)
-            self._json(HTTPStatus.OK, job.result.result(timeout=600))
-        except BadRequest as error:
-            self._json(error.status, {"error": str(error)})
-        except Exception as error:  # the model's failure: a 500 with its message, the server goes on
-            self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(error).__name__}: {error}"})
-
-    def _body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise BadRequest("a POST needs a Content-Length", HTTPStatus.LENGTH_REQUIRED)
-        if int(length) > self.server.limits["max_body_bytes"]:
-            self.close_connection = True  # the body is not read
+            await asyncio.wait_for(read(), cfg.read_timeout_s)
+        except asyncio.TimeoutError:
             raise BadRequest(
-                f"the body has {length} bytes; at most {self.server.limits['max_body_bytes']}",
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"the body did not arrive within read_timeout_s={cfg.read_timeout_s:g}",
+                HTTPStatus.REQUEST_TIMEOUT,
+            ) from None
+        except ClientDisconnect:
+            raise ClientGone from None
+        return bytes(body)
+
+    async def _answer(self, job: Job, request: Request) -> dict[str, Any]:
+        """The job's result once its batch is done; dropped (not run, or its answer dropped) when its
+        client leaves or request_timeout_s passes first."""
+        deadline = job.arrived + self.cfg.request_timeout_s
+        while not job.future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                job.dropped = True
+                raise BadRequest(
+                    f"no answer within request_timeout_s={self.cfg.request_timeout_s:g}",
+                    HTTPStatus.GATEWAY_TIMEOUT,
+                )
+            await asyncio.wait([job.future], timeout=min(POLL, left))
+            if not job.future.done() and await request.is_disconnected():
+                job.dropped = True
+                raise ClientGone
+        return job.future.result()
+
+    async def health(self, request: Request) -> Response:
+        batcher = self.batcher
+        status = {"status": "draining" if self.draining else "ok", "step": self.translator.info.get("step")}
+        status |= {"requests": batcher.requests, "batches": batcher.batches, "queue": batcher.depth}
+        return JSONResponse(status, HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK)
+
+    async def prometheus_metrics(self, request: Request) -> Response:
+        return Response(
+            prometheus.generate_latest(self.metrics.registry), media_type=prometheus.CONTENT_TYPE_LATEST
+        )
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi(self.cfg))
+
+    async def static(self, request: Request) -> Response:
+        name, kind = STATIC[request.url.path]
+        body = resources.files("transformer.serving").joinpath("static", name).read_bytes()
+        return Response(body, media_type=f"{kind}; charset=utf-8")
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/translate", self.translate, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus_metrics, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+            *(Route(path, self.static, methods=["GET"]) for path in STATIC),
+        ]
+        handlers = {
+            HTTPException: _http_error,
+            BadRequest: _bad_request,
+            ClientGone: _client_gone,
+            Exception: _failed,
+        }
+        return Starlette(routes=routes, exception_handlers=handlers)
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status, headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == HTTPStatus.NOT_FOUND:
+        return error(exc.status_code, f"no {request.url.path}: {ROUTES}")
+    if exc.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
+        return error(
+            exc.status_code, f"{request.method} {request.url.path} is not served: {ROUTES}", exc.headers
+        )
+    return error(exc.status_code, str(exc.detail), exc.headers)
+
+
+async def _bad_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BadRequest)
+    headers = {"Retry-After": "1"} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else {}
+    if exc.status in (
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        HTTPStatus.REQUEST_TIMEOUT,
+        HTTPStatus.LENGTH_REQUIRED,
+    ):
+        headers["Connection"] = "close"  # the body may be left unread
+    return error(exc.status, str(exc), headers)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return error(499, "the client closed its connection")  # never read: nobody is there
+
+
+async def _failed(request: Request, exc: Exception) -> Response:
+    log.error("request %s failed: %s: %s", request.state.id, type(exc).__name__, exc)
+    return error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+
+
+class Guard:
+    """ASGI middleware around the app: a request id, the Host check, 503 while draining, the metrics and
+    one log line per request."""
+
+    def __init__(self, app: Starlette, service: Service) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        service, start = self.service, time.monotonic()
+        rid = secrets.token_hex(6)
+        scope.setdefault("state", {})["id"] = rid
+        status = 0
+
+        async def sending(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        host = _hostname(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
+        if service.hosts is not None and host not in service.hosts:
+            served = ", ".join(sorted(service.hosts))
+            response = error(
+                HTTPStatus.BAD_REQUEST,
+                f"Host {host!r} is not served here ({served}); start the server with allowed_hosts=[...]",
             )
-        return self.rfile.read(int(length))
+        elif service.draining and scope["path"] != "/health":
+            response = error(
+                HTTPStatus.SERVICE_UNAVAILABLE, "the server is stopping", {"Connection": "close"}
+            )
+        else:
+            response = None
+        try:
+            await (response or self.app)(scope, receive, sending)
+        except asyncio.CancelledError:  # stopped at once (a second signal): said, not a traceback
+            if status:
+                return
+            await error(HTTPStatus.SERVICE_UNAVAILABLE, "the server stopped", {"Connection": "close"})(
+                scope, receive, sending
+            )
+        seconds = time.monotonic() - start
+        path = (
+            scope["path"]
+            if scope["path"] in (*STATIC, "/translate", "/health", "/metrics", "/openapi.json")
+            else "other"
+        )
+        service.metrics.requests.labels(path, str(status)).inc()
+        if path == "/translate" and status == HTTPStatus.OK:
+            service.metrics.latency.observe(seconds)
+        log.info("%s %s %s %d %.0f ms", rid, scope["method"], scope["path"], status, seconds * 1e3)
 
-    def _json(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-        self._send(status, json.dumps(payload, ensure_ascii=False).encode("utf-8"), "application/json")
 
-    def _send(self, status: HTTPStatus, body: bytes, kind: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def _hostname(host: str) -> str:
+    """The name in a Host header, without its port: "[::1]:8000" -> "::1"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
-        log.info("%s %s", self.address_string(), format % args)
+
+class Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 (h11, a strict parser) with a deadline for a request's head (`read_timeout`:
+    a client that opens a connection, or starts a request, and stalls is closed), a cap on open
+    connections (`max_connections`: more get 503) and JSON for the errors it answers itself."""
+
+    read_timeout: float = 10.0
+    max_connections: int = 256
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.max_connections:
+            self._refuse(503, "too many open connections (max_connections); retry in a moment")
+            return
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self._between_requests():
+            self._arm()
+        super().data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        self._armed_for = self.cycle
+        self._head_timer = self.loop.call_later(self.read_timeout, self._expire)
+
+    def _expire(self) -> None:
+        self._head_timer = None
+        if not self._between_requests():
+            return  # a request is being served: the app bounds its body (read_timeout_s)
+        if self.cycle is not self._armed_for:  # requests came and went since: a fresh deadline
+            self._arm()
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, f"not a valid HTTP/1.1 request: {msg}")
+
+    def _refuse(self, status: int, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        try:
+            output = self.conn.send(
+                h11.Response(status_code=status, headers=[*head, (b"connection", b"close")])
+            )
+            output += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:  # h11 cannot answer in its state: a raw response
+            reason = HTTPStatus(status).phrase.encode()
+            output = b"HTTP/1.1 %d %s\r\n" % (status, reason)
+            output += b"".join(k + b": " + v + b"\r\n" for k, v in head) + b"connection: close\r\n\r\n" + body
+        self.transport.write(output)
+        self.transport.close()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, draining on the first SIGTERM or Ctrl-C (`Service.draining`) and stopping at
+    once on the second (exit status 1), whenever it comes; the signals are `_run`'s to install, so that
+    the process never dies of the signal itself."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service, self.finished = service, False
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # installed for the server's whole life by `_run`
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            if self.finished:  # uvicorn is done: stop waiting for the model's last batch
+                _exit_now()
+            return
+        log.warning(
+            "draining: %d requests queued; stopping within %gs",
+            self.service.batcher.depth,
+            self.config.timeout_graceful_shutdown,
+        )
+        self.service.draining = True
+        self.should_exit = True
 
 
 def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> None:
-    """Load the checkpoint, listen on cfg.host:cfg.port until SIGTERM or Ctrl-C (in the main thread)
-    or `stop()`; `ready` is set once it listens."""
-    translator = Translator.from_checkpoint(cfg)
-    with translator.packed():  # the weights packed once for the server's life, not for every batch
-        _listen(cfg, translator, ready)
-
-
-def _listen(cfg: ServeConfig, translator: Translator, ready: threading.Event | None) -> None:
-    limits = {"max_body_bytes": cfg.max_body_bytes, "max_lines": cfg.max_lines, "max_chars": cfg.max_chars}
+    """Load the checkpoint, listen on cfg.host:cfg.port until SIGTERM or Ctrl-C (in the main thread);
+    `ready` is set once it listens."""
+    sock = _bind(cfg.host, cfg.port)  # before the model loads: a port taken is said at once
     try:
-        server = Server((cfg.host, cfg.port), translator, limits, cfg.batch_wait_ms / 1000)
+        translator = Translator.from_checkpoint(cfg)
+        with translator.packed():  # the weights packed once for the server's life, not for every batch
+            _run(cfg, translator, sock, ready)
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)  # connections queue from now on, until the server accepts them
     except OSError as error:
-        raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {error.strerror or error}") from None
-    stopping = threading.Thread(target=server.shutdown, daemon=True)  # shutdown() waits: not in a handler
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, lambda *_: stopping.start())
-    host, port = server.server_address[:2]
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def _run(
+    cfg: ServeConfig, translator: Translator, sock: socket.socket, ready: threading.Event | None
+) -> None:
+    service = Service(cfg, translator)
+    protocol = type(
+        "Protocol", (Protocol,), {"read_timeout": cfg.read_timeout_s, "max_connections": cfg.max_connections}
+    )
+    config = uvicorn.Config(
+        Guard(service.app(), service),
+        http=protocol,
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        backlog=BACKLOG,
+        timeout_keep_alive=cfg.keep_alive_s,
+        timeout_graceful_shutdown=cfg.shutdown_timeout_s,
+    )
+    server = Server(config, service)
+    service.batcher.start()
+    host, port = sock.getsockname()[:2]
     log.warning("serving %s on http://%s:%d (GET / for the attention explorer)", cfg.checkpoint, host, port)
     if ready is not None:
         ready.set()
+    main = threading.current_thread() is threading.main_thread()  # signals reach the main thread only
+    previous = (
+        {s: signal.signal(s, server.handle_exit) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    )
     try:
-        server.serve_forever(poll_interval=0.2)
+        server.run(sockets=[sock])
+        server.finished = True
+        drained = not server.force_exit and service.batcher.stop(timeout=cfg.shutdown_timeout_s)
     finally:
-        server.server_close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if not drained:
+        _exit_now()
+    log.warning("stopped")
+
+
+def _exit_now() -> NoReturn:
+    """Exit status 1 at once: the model's thread may be inside a batch, which Python's own exit would
+    wait for or abort on."""
+    log.warning("stopped at once, with requests unanswered")
+    logging.shutdown()
+    os._exit(1)

@@ -15,7 +15,11 @@ const state = {request: null, answer: null, layers: {}, hypothesis: 0, nLayers: 
 
 async function ask(layer) {
   const body = {...state.request, attention: true, attention_layer: layer};
-  const response = await fetch("/translate", {method: "POST", body: JSON.stringify(body)});
+  const response = await fetch("/translate", {
+    method: "POST",
+    headers: {"Content-Type": "application/json"},
+    body: JSON.stringify(body),
+  });
   const payload = await response.json().catch(() => ({error: `the server answered ${response.status}`}));
   if (!response.ok) throw new Error(payload.error || `the server answered ${response.status}`);
   return payload;
