@@ -72,15 +72,15 @@ class Batcher:
 
     @property
     def depth(self) -> int:
-        """Requests waiting, not yet taken into a batch."""
+        """Requests waiting, not yet taken into a batch (those no longer waited for aside)."""
         with self.condition:
-            return sum(len(q) for q in self.queues.values())
+            return sum(not job.dropped for queue in self.queues.values() for job in queue)
 
     def submit(self, job: Job) -> None:
         key = dataclasses.astuple(job.request.search)
+        if self.depth >= self.max_queue:
+            raise QueueFull
         with self.condition:
-            if sum(len(q) for q in self.queues.values()) >= self.max_queue:
-                raise QueueFull
             self.queues.setdefault(key, deque()).append(job)
             self.condition.notify()
 

@@ -10,12 +10,12 @@ one model worker that batches requests fairly (batching.py); the contract is api
     GET  /openapi.json  the contract
     GET  /              the attention explorer (transformer/serving/static/)
 
-Every error is {"error": message} with a 4xx (or 503, 504) status, and the server keeps serving. Only
+Every error is {"error": message} with its status, and the server keeps serving. Only
 Host names of the loopback are served unless `allowed_hosts` says otherwise, and /translate takes
 application/json alone, so that a web page elsewhere can neither reach it by DNS rebinding nor post to
 it without a CORS preflight (which it refuses). SIGTERM or Ctrl-C drain it: the listener closes, new
-requests get 503 with Connection: close, work in flight finishes within `shutdown_timeout_s`; a second
-signal stops it at once.
+requests get 503 with Connection: close, work in flight finishes within `shutdown_timeout_s`, exit 0;
+what the drain's end cuts off, and a second signal, stop it at once with exit status 1.
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ class Service:
         self.search = translator.cfg.search  # a request's settings go over these
         self.batcher = Batcher(self.work, cfg.batch_wait_ms / 1000, cfg.max_lines, cfg.max_queue)
         self.metrics = Metrics(self.batcher)
-        self.draining = False
+        self.draining = self.cut_off = False  # stopping; requests cut off by the drain's end
         names = cfg.allowed_hosts if cfg.allowed_hosts is not None else [*LOOPBACK, cfg.host]
-        self.hosts = None if "*" in names else {name.lower() for name in names}
+        self.hosts = None if "*" in names else {_hostname(name) for name in names}
 
     def work(self, batch: list[Job]) -> None:
         """Translate the jobs still waited for in one batch and answer each (in the model's thread)."""
@@ -229,17 +229,22 @@ class Service:
         """The job's result once its batch is done; dropped (not run, or its answer dropped) when its
         client leaves or request_timeout_s passes first."""
         deadline = job.arrived + self.cfg.request_timeout_s
+        try:
+            return await self._wait(job, request, deadline)
+        except BaseException:  # timed out, the client left, or the server cut it off: never run
+            job.dropped = True
+            raise
+
+    async def _wait(self, job: Job, request: Request, deadline: float) -> dict[str, Any]:
         while not job.future.done():
             left = deadline - time.monotonic()
             if left <= 0:
-                job.dropped = True
                 raise BadRequest(
                     f"no answer within request_timeout_s={self.cfg.request_timeout_s:g}",
                     HTTPStatus.GATEWAY_TIMEOUT,
                 )
             await asyncio.wait([job.future], timeout=min(POLL, left))
             if not job.future.done() and await request.is_disconnected():
-                job.dropped = True
                 raise ClientGone
         return job.future.result()
 
@@ -311,7 +316,7 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _failed(request: Request, exc: Exception) -> Response:
-    log.error("request %s failed: %s: %s", request.state.id, type(exc).__name__, exc)
+    log.error("request %s failed", request.state.id, exc_info=exc)
     return error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
 
 
@@ -352,12 +357,21 @@ class Guard:
             response = None
         try:
             await (response or self.app)(scope, receive, sending)
-        except asyncio.CancelledError:  # stopped at once (a second signal): said, not a traceback
-            if status:
-                return
-            await error(HTTPStatus.SERVICE_UNAVAILABLE, "the server stopped", {"Connection": "close"})(
-                scope, receive, sending
-            )
+        except asyncio.CancelledError:  # the drain's time ran out: the request is cut off, and said so
+            service.cut_off = True
+            if not status:
+                await error(HTTPStatus.SERVICE_UNAVAILABLE, "the server stopped", {"Connection": "close"})(
+                    scope, receive, sending
+                )
+        except Exception:  # answered 500 already (and logged by `_failed`): not raised to uvicorn again
+            if not status:
+                raise
+        finally:
+            self.record(scope, status, start, rid)
+
+    def record(self, scope: dict, status: int, start: float, rid: str) -> None:
+        """The request in the metrics and the log."""
+        service = self.service
         seconds = time.monotonic() - start
         path = (
             scope["path"]
@@ -379,8 +393,8 @@ def _hostname(host: str) -> str:
 
 
 class Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 (h11, a strict parser) with a deadline for a request's head (`read_timeout`:
-    a client that opens a connection, or starts a request, and stalls is closed), a cap on open
+    """uvicorn's HTTP/1.1 (h11, a strict parser) with a deadline for a request's head (`read_timeout`
+    from a connection's opening or a head's first byte: a client that stalls there is closed), a cap on open
     connections (`max_connections`: more get 503) and JSON for the errors it answers itself."""
 
     read_timeout: float = 10.0
@@ -395,9 +409,12 @@ class Protocol(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and self._between_requests():
+        if self._head_timer is None and self._between_requests():  # a head's first bytes
             self._arm()
         super().data_received(data)
+        if self._head_timer is not None and not self._between_requests():  # the head is parsed
+            self._head_timer.cancel()
+            self._head_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:
@@ -408,16 +425,11 @@ class Protocol(H11Protocol):
         return self.cycle is None or self.cycle.response_complete
 
     def _arm(self) -> None:
-        self._armed_for = self.cycle
         self._head_timer = self.loop.call_later(self.read_timeout, self._expire)
 
     def _expire(self) -> None:
         self._head_timer = None
-        if not self._between_requests():
-            return  # a request is being served: the app bounds its body (read_timeout_s)
-        if self.cycle is not self._armed_for:  # requests came and went since: a fresh deadline
-            self._arm()
-        elif not self.transport.is_closing():
+        if self._between_requests() and not self.transport.is_closing():
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -441,12 +453,12 @@ class Protocol(H11Protocol):
 
 class Server(uvicorn.Server):
     """uvicorn's server, draining on the first SIGTERM or Ctrl-C (`Service.draining`) and stopping at
-    once on the second (exit status 1), whenever it comes; the signals are `_run`'s to install, so that
-    the process never dies of the signal itself."""
+    once on the second (exit status 1); the signals are `_run`'s to install, so that the process never
+    dies of the signal itself."""
 
     def __init__(self, config: uvicorn.Config, service: Service) -> None:
         super().__init__(config)
-        self.service, self.finished = service, False
+        self.service = service
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -454,10 +466,7 @@ class Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit:
-            self.force_exit = True
-            if self.finished:  # uvicorn is done: stop waiting for the model's last batch
-                _exit_now()
-            return
+            _exit_now()
         log.warning(
             "draining: %d requests queued; stopping within %gs",
             self.service.batcher.depth,
@@ -511,18 +520,17 @@ def _run(
     )
     server = Server(config, service)
     service.batcher.start()
-    host, port = sock.getsockname()[:2]
-    log.warning("serving %s on http://%s:%d (GET / for the attention explorer)", cfg.checkpoint, host, port)
-    if ready is not None:
-        ready.set()
     main = threading.current_thread() is threading.main_thread()  # signals reach the main thread only
     previous = (
         {s: signal.signal(s, server.handle_exit) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     )
+    host, port = sock.getsockname()[:2]
+    log.warning("serving %s on http://%s:%d (GET / for the attention explorer)", cfg.checkpoint, host, port)
+    if ready is not None:
+        ready.set()
     try:
         server.run(sockets=[sock])
-        server.finished = True
-        drained = not server.force_exit and service.batcher.stop(timeout=cfg.shutdown_timeout_s)
+        drained = not service.cut_off and service.batcher.stop(timeout=cfg.shutdown_timeout_s)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -532,8 +540,8 @@ def _run(
 
 
 def _exit_now() -> NoReturn:
-    """Exit status 1 at once: the model's thread may be inside a batch, which Python's own exit would
-    wait for or abort on."""
+    """Exit status 1 at once (a second signal, or requests the drain cut off): the model's thread may
+    be inside a batch, which Python's own exit would wait for or abort on."""
     log.warning("stopped at once, with requests unanswered")
     logging.shutdown()
     os._exit(1)
