@@ -82,14 +82,25 @@ def test_a_finished_directory_is_renamed_with_every_file_in_it_synced(tmp_path, 
 
 
 def test_a_filesystem_that_syncs_no_directory_still_renames(tmp_path, monkeypatch):
-    def no_directory_sync(fd):
-        raise OSError(22, "Invalid argument")  # EINVAL, as some network filesystems answer
+    fsync = os.fsync
 
-    atomic.write_bytes(tmp_path / "a", b"1")
+    def no_directory_sync(fd):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).is_dir():
+            raise OSError(22, "Invalid argument")  # EINVAL, as some network filesystems answer
+        fsync(fd)
+
     monkeypatch.setattr(os, "fsync", no_directory_sync)
-    atomic.sync_directory(tmp_path)  # no error
+    atomic.write_bytes(tmp_path / "a", b"1")  # its directory not synced: no error
+    assert (tmp_path / "a").read_bytes() == b"1"
+
+
+def test_a_file_that_cannot_be_synced_is_never_renamed_into_place(tmp_path, monkeypatch):
+    def no_sync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", no_sync)
     with pytest.raises(OSError):
-        atomic.write_bytes(tmp_path / "b", b"2")  # a file that cannot be synced is an error
+        atomic.write_bytes(tmp_path / "b", b"2")
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".*.tmp"))
 
 

@@ -75,6 +75,32 @@ def test_the_lock_of_a_killed_run_never_blocks_the_next(corpus, tmp_path):  # no
     assert [p.name for p in list_checkpoints(run_dir)] == ["checkpoint_2.pt"]
 
 
+def test_a_child_the_holder_forked_does_not_keep_the_lock_after_the_holder_dies(tmp_path):
+    """Data preparation forks workers while the lock is held: killed with its holder's death, the lock
+    must not live on in a worker."""
+    code = textwrap.dedent(
+        f"""
+        import multiprocessing, time
+        from transformer.training.lock import lock
+        lock({str(tmp_path)!r})
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        child.start()
+        print(child.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(child, 0)  # the forked child lives on
+        run_lock.lock(tmp_path)
+        run_lock.unlock(tmp_path)
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_one_process_may_take_its_own_lock_again_and_holds_it_until_the_last_release(tmp_path):
     code = f"from transformer.training.lock import lock; lock({str(tmp_path)!r})"
     run_lock.lock(tmp_path)
@@ -180,15 +206,17 @@ def test_a_checkpoint_that_recorded_none_of_the_compared_settings_still_resumes(
     assert load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_3.pt")["step"] == 3
 
 
-def test_tensorboard_after_a_resume_shows_each_step_once(corpus, tmp_path):  # noqa: F811
-    """Steps 1-4 logged, a resume from step 2 (the later checkpoints lost): steps 3 and 4 logged again,
-    each step once in what TensorBoard reads."""
+@pytest.mark.parametrize("lost", [["checkpoint_4.pt", "checkpoint_last.pt"], ["*"]], ids=["step 2", "step 0"])
+def test_tensorboard_after_a_resume_shows_each_step_once(corpus, tmp_path, lost):  # noqa: F811
+    """Steps 1-4 logged, a resume from step 2 (the later checkpoints lost), or a start from step 0 (all
+    lost): the steps logged again, each once in what TensorBoard reads."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     args = overrides(corpus, tmp_path, "trainer.save_every_steps=2", "trainer.log_every_steps=1")
     train(compose_config([*args, "trainer.max_steps=4"]))
-    for name in ("checkpoint_4.pt", "checkpoint_last.pt"):
-        (tmp_path / "checkpoints" / name).unlink()
+    for pattern in lost:
+        for path in (tmp_path / "checkpoints").glob(pattern):
+            path.unlink()
     train(compose_config([*args, "trainer.max_steps=4"]))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()

@@ -75,16 +75,19 @@ class SpeedPaths:
             yield
 
     def queue(self, micro: list[Batch], flags: list[float]) -> Any:
-        """`queue_step` of these batches, redone on the plain path where a speed path fails."""
-        rngs = rng_state()
+        """`queue_step` of these batches, redone on the plain path where a speed path fails (an error
+        that the redo meets again was no speed path's: it is raised)."""
+        rngs, failed = rng_state(), None
         while True:
             try:
                 with self.context():
                     queued = self.queue_step(self.run, self.objective, micro, flags, self.graphs)
             except Exception as error:
-                path = None if self.run.runtime.distributed else self.blame(error)
+                again = failed is not None and (type(error), str(error)) == (type(failed), str(failed))
+                path = None if self.run.runtime.distributed or again else self.blame(error)
                 if path is None:
                     raise
+                failed = error
                 self.run.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphs keep their memory
                 set_rng_state(rngs)
                 self.turn_off(path, error)

@@ -107,9 +107,13 @@ class StepGraphs:
             return None
 
     def release(self) -> None:
-        """Give the optimizer back to plain steps: learning rates as numbers, not capturable."""
+        """Give the optimizer back to plain steps (learning rates as numbers, not capturable) and the
+        recorded graphs' memory back to the device."""
         for group in self.run.optimizer.param_groups:
             group.update(lr=float(group["lr"]), capturable=False)
+        self.shapes.clear()
+        self.replay_update = None
+        self.record = None
 
 
 @contextmanager
@@ -120,9 +124,11 @@ def _on_side(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
         return
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:  # also after a failure: what comes next (a redo's zeroed gradients) waits for the side work
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def _tensors(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:

@@ -28,6 +28,18 @@ LOCK_FILE = ".lock"
 _held: dict[Path, list[int]] = {}  # run directory -> [file descriptor, times taken by this process]
 
 
+def _forget_in_child() -> None:
+    """A forked child (data preparation's workers) closes its copies of the lock files: the lock stays
+    the parent's alone, and goes when the parent dies, whatever the children do."""
+    for fd, _ in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class RunDirectoryInUse(ConfigError):
     """Another live process holds the run directory's lock."""
 

@@ -96,9 +96,7 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter  # a second to import; only rank 0 needs it
 
             # a resumed run's events replace those the interrupted one wrote past its checkpoint
-            self.writer = SummaryWriter(
-                str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
-            )
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
         self.bar = tqdm(
             total=max_steps,
             initial=start_step,

@@ -55,6 +55,7 @@ class Plan:
     sampler: TokenBudgetBatchSampler | None = None  # this rank's share of each step's batches
     batches: Iterator[Batch] | None = None  # its batches on the device, from where the sampler stands
     graphs: bool = False  # each step CUDA graph replays
+    locked: bool = False  # this plan holds the run directory's lock (rank 0, until `close`)
 
     @property
     def run_dir(self) -> Path:
@@ -70,6 +71,7 @@ class Plan:
             plan.cuda_graphs()  # a mistake in trainer.cuda_graphs, said before any file is touched
             if runtime.is_main:  # one writer per run directory, from here to `close`
                 lock(plan.run_dir)
+                plan.locked = True
             plan.resume = find_resume(cfg, runtime)
             runtime.kernels = choose_kernels(cfg, runtime, plan.resume)
         except BaseException:
@@ -81,8 +83,9 @@ class Plan:
     def close(self) -> None:
         """The end of the run's process group and of its hold on the run directory."""
         shutdown(self.runtime)
-        if self.runtime.is_main:
+        if self.locked:
             unlock(self.run_dir)
+            self.locked = False
 
     def with_data(self) -> Plan:
         """The corpus (prepared by rank 0 while the others wait) and what it decides."""

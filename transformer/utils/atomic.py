@@ -52,7 +52,7 @@ def rename(source: str | Path, target: str | Path) -> None:
         if path.is_dir():
             sync_directory(path)
         else:
-            with open(path, "rb") as file:
+            with open(path, "rb+") as file:  # writable: Windows syncs no read-only handle
                 os.fsync(file.fileno())
     os.replace(source, target)
     sync_directory(target.parent)
