@@ -220,9 +220,19 @@ class Translator:
         one line given as a string, its hypotheses). first: the number of the first line in the whole
         input, or each line's number (sampling draws by line number)."""
         one, lines = _lines(lines)
-        found = self.search_all(self.encode(lines, search), progress, first, search)
-        nbest = [[self._translation(h) for h in hypotheses if h.token_log_probs] for hypotheses in found]
+        nbest = self.nbest_of(self.encode(lines, search), progress, first, search)
         return nbest[0] if one else nbest
+
+    def nbest_of(
+        self,
+        sources: list[list[int]],
+        progress: bool = False,
+        first: int | list[int] = 0,
+        search: SearchConfig | None = None,
+    ) -> list[list[Translation]]:
+        """`translate_nbest` of sources encoded already (`encode`'s ids)."""
+        found = self.search_all(sources, progress, first, search)
+        return [[self._translation(h) for h in hypotheses if h.token_log_probs] for hypotheses in found]
 
     def score(
         self, lines: list[str] | str, translations: list[str] | str, search: SearchConfig | None = None

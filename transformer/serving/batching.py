@@ -22,10 +22,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Job:
-    """One request in the queue: its lines and search, and the asyncio future its handler awaits."""
+    """One request in the queue: its lines and search, their source ids, and the asyncio future its
+    handler awaits."""
 
     id: str
     request: Request
+    sources: list[list[int]]  # each line's pieces + EOS, as the search takes them
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     arrived: float = field(default_factory=time.monotonic)

@@ -116,10 +116,10 @@ class Service:
         if not jobs:
             return
         self.metrics.batch.observe(len(jobs))
-        lines = [line for job in jobs for line in job.request.lines]
+        sources = [ids for job in jobs for ids in job.sources]
         numbers = [i for job in jobs for i in range(len(job.request.lines))]  # each request's own samples
         try:
-            found = self.translator.translate_nbest(lines, first=numbers, search=jobs[0].request.search)
+            found = self.translator.nbest_of(sources, first=numbers, search=jobs[0].request.search)
         except (ConfigError, ValueError) as error:
             for job in jobs:
                 job.answer(error=BadRequest(str(error)))
@@ -127,9 +127,10 @@ class Service:
         start = 0
         for job in jobs:
             answers = []
-            for line, hypotheses in zip(job.request.lines, found[start : start + len(job.request.lines)]):
+            found_here = found[start : start + len(job.request.lines)]
+            for line, src_ids, hypotheses in zip(job.request.lines, job.sources, found_here):
                 answers.append(
-                    {"source": line, "hypotheses": [self._hypothesis(line, h, job) for h in hypotheses]}
+                    {"source": line, "hypotheses": [self._hypothesis(src_ids, h, job) for h in hypotheses]}
                 )
             start += len(job.request.lines)
             job.answer(
@@ -141,11 +142,11 @@ class Service:
                 }
             )
 
-    def _hypothesis(self, source: str, h: Any, job: Job) -> dict[str, Any]:
+    def _hypothesis(self, src_ids: list[int], h: Any, job: Job) -> dict[str, Any]:
         entry = translation_dict(h)
         if job.request.attention:
             t = self.translator
-            src_ids, out_ids = t.encode([source])[0], t.tokenizer.encode(h.text) if h.text else []
+            out_ids = t.tokenizer.encode(h.text) if h.text else []
             entry["attention"] = attention_weights(
                 t.model, t.tokenizer, src_ids, out_ids, job.request.attention_layer
             )
@@ -182,7 +183,7 @@ class Service:
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
         loop = asyncio.get_running_loop()
-        job = Job(request.state.id, parsed, loop.create_future(), loop)
+        job = Job(request.state.id, parsed, sources, loop.create_future(), loop)
         try:
             self.batcher.submit(job)
         except QueueFull:
