@@ -327,6 +327,7 @@ class Guard:
 
     def __init__(self, app: Starlette, service: Service) -> None:
         self.app, self.service = app, service
+        self.paths = {route.path for route in app.routes}  # the metrics' label; any other: "other"
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -374,11 +375,7 @@ class Guard:
         """The request in the metrics and the log."""
         service = self.service
         seconds = time.monotonic() - start
-        path = (
-            scope["path"]
-            if scope["path"] in (*STATIC, "/translate", "/health", "/metrics", "/openapi.json")
-            else "other"
-        )
+        path = scope["path"] if scope["path"] in self.paths else "other"
         service.metrics.requests.labels(path, str(status)).inc()
         if path == "/translate" and status == HTTPStatus.OK:
             service.metrics.latency.observe(seconds)
