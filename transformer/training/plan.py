@@ -96,7 +96,7 @@ class Plan:
         corpus = read_corpus(cfg, runtime.rank, runtime.world_size)
         vocab = corpus.meta["vocab_size"]
         if self.resume is not None:  # the rest of the model was compared before the data (`find_resume`)
-            check_vocabulary(self.resume, vocab)
+            check_vocabulary(cfg, self.resume, vocab)
         if self.resume is not None and (changes := check_resume_changes(cfg, self.resume, corpus.spm_model)):
             log.warning("resumed with %s (trainer.resume_changes)", "; ".join(changes))
         sampler = corpus.sampler(cfg.trainer, runtime.rank, runtime.world_size, self.length_buckets())
@@ -249,13 +249,9 @@ def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
     return resume
 
 
-def check_vocabulary(resume: Resume, vocab_size: int) -> None:
+def check_vocabulary(cfg: TrainConfig, resume: Resume, vocab_size: int) -> None:
     """Refuse to resume a model of another vocabulary (the size the prepared data gives)."""
-    if resume.ckpt["model_config"]["vocab_size"] != vocab_size:
-        raise ConfigError(
-            f"{resume.path} holds a model with other settings (vocab_size); set trainer.run_dir to a new "
-            "directory, or trainer.resume=<checkpoint of this model>"
-        )
+    check_same_model(replace(cfg.model, vocab_size=vocab_size), resume.path, resume.ckpt)
 
 
 def check_resume_changes(cfg: TrainConfig, resume: Resume, spm_model: bytes | None) -> list[str]:
@@ -270,7 +266,7 @@ def check_resume_changes(cfg: TrainConfig, resume: Resume, spm_model: bytes | No
         if key in recorded and recorded[key] != getattr(cfg.trainer, key)
     }
     if resume.ckpt.get("spm_model") and spm_model is not None and resume.ckpt["spm_model"] != spm_model:
-        check_vocabulary(resume, Tokenizer.from_bytes(spm_model).vocab_size)  # the model's own error first
+        check_vocabulary(cfg, resume, Tokenizer.from_bytes(spm_model).vocab_size)  # the model's error first
         changed["tokenizer"] = f"not {Path(cfg.data.dir) / SPM_FILE}"
     refused = [key for key in changed if key not in cfg.trainer.resume_changes]
     if refused:
