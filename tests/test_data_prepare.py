@@ -352,12 +352,19 @@ def test_vocabulary_too_large_for_the_corpus(tmp_path):
         prepare(local_config(tmp_path, vocab_size=5000))
 
 
+def identity(path: Path) -> tuple[int, int]:
+    """Which file is under the name: its inode, and when it was written (a deleted file's inode number
+    may be given to the file that replaces it)."""
+    stat = path.stat()
+    return stat.st_ino, stat.st_mtime_ns
+
+
 def test_rerun_skips_force_redoes_and_a_lost_file_is_rebuilt(tmp_path, monkeypatch):
     write_corpus(tmp_path / "corpus")
     cfg = local_config(tmp_path)
     out = prepare(cfg)
     content = {p.name: p.read_bytes() for p in out.iterdir()}
-    inodes = {p.name: p.stat().st_ino for p in out.iterdir()}
+    identities = {p.name: identity(p) for p in out.iterdir()}
     (out / ".train.en.bin.1234abcd.tmp").write_bytes(b"left by a killed run")
 
     def must_not_read(cfg):
@@ -366,16 +373,16 @@ def test_rerun_skips_force_redoes_and_a_lost_file_is_rebuilt(tmp_path, monkeypat
     with monkeypatch.context() as patch:
         patch.setattr(prepare_module, "load_splits", must_not_read)
         prepare(cfg)
-    assert {p.name: p.stat().st_ino for p in out.iterdir()} == inodes  # untouched, temp file removed
+    assert {p.name: identity(p) for p in out.iterdir()} == identities  # untouched, temp file removed
 
     (out / "test.de.bin").unlink()
     prepare(cfg)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == content
-    rebuilt = {name for name, inode in inodes.items() if (out / name).stat().st_ino != inode}
+    rebuilt = {name for name, before in identities.items() if identity(out / name) != before}
     assert rebuilt == {"test.en.bin", "test.en.idx", "test.de.bin", "test.de.idx", "meta.json"}
 
     prepare(local_config(tmp_path, force=True))
-    assert all((out / name).stat().st_ino != inode for name, inode in inodes.items())
+    assert all(identity(out / name) != before for name, before in identities.items())
     assert {p.name: p.read_bytes() for p in out.iterdir()} == content  # same input, same output
 
 
