@@ -100,6 +100,10 @@ def test_it_listens_on_localhost_and_translates_as_translate_does(server):
     status, one = server.translate({"text": LINES[0]})
     beam4 = Translator.from_checkpoint(CHECKPOINT, device="cpu").translate(LINES[:1])
     assert status == 200 and [one["translations"][0]["hypotheses"][0]["text"]] == beam4
+    control = {"no_repeat_ngram_size": 1, "repetition_penalty": 1.5}
+    status, controlled = server.translate({"text": LINES, **control})
+    expected = Translator.from_checkpoint(CHECKPOINT, device="cpu", **control).translate(LINES)
+    assert status == 200 and [t["hypotheses"][0]["text"] for t in controlled["translations"]] == expected
 
 
 def test_a_requests_samples_do_not_depend_on_the_requests_it_is_batched_with(server):
@@ -166,6 +170,7 @@ def test_two_concurrent_requests_share_one_batch(server):
             "must be in 0..2^32 - 1",
         ),
         (json.dumps({"text": ["a"], "beam_size": 10**30}).encode(), 400, "must be in 1..1024"),
+        (json.dumps({"text": ["a"], "repetition_penalty": 0}).encode(), 400, "repetition_penalty=0.0 must"),
     ],
 )
 def test_a_bad_request_gets_a_4xx_with_a_message_and_the_server_goes_on(server, body, status, message):

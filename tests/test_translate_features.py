@@ -261,6 +261,8 @@ def test_an_ensemble_takes_the_positions_of_its_shortest_member(trained, tmp_pat
         ({"sampling": True, "topp": 0.0}, "topp=0.0 must be in (0, 1]"),
         ({"sampling": True, "temperature": 0.0}, "temperature=0.0 must be in [0.01, 100.0]"),
         ({"alpha": 50}, "alpha=50.0 must be in [0, 10.0]"),
+        ({"no_repeat_ngram_size": -2}, "no_repeat_ngram_size=-2 must be >= 0 (0 = off)"),
+        ({"repetition_penalty": 1000}, "repetition_penalty=1000.0 must be in [0.01, 100.0]"),
         ({"alpha": float("inf")}, "alpha=inf must be a finite number"),
         ({"beam_size": "4"}, "beam_size='4' must be a whole number"),
         ({"output_format": "xml"}, "output_format='xml' must be one of 'text', 'fairseq' or 'jsonl'"),
@@ -313,6 +315,40 @@ def test_one_line_as_a_string_is_one_line_and_a_search_per_call_overrides_the_se
         t.text
         for t in Translator.from_checkpoint(trained, device="cpu", beam_size=5, nbest=3).translate_nbest(line)
     ]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_repetition_control_through_translate_py(trained, precision):
+    """no_repeat_ngram_size=1 in the CLI: no hypothesis holds a piece twice, where the plain search
+    does; each token's log-probability stays the model's own (teacher forcing the same output), while
+    the score ranks by the penalised ones."""
+    settings = [f"checkpoint={trained}", f"precision={precision}", "output_format=jsonl", "nbest=2"]
+    stdin = "\n".join(LINES * 2).encode()
+    plain = translate(*settings, stdin=stdin)
+    controlled = translate(*settings, "no_repeat_ngram_size=1", "repetition_penalty=1.3", stdin=stdin)
+    assert plain.returncode == controlled.returncode == 0, controlled.stderr.decode()
+
+    def hypotheses(done):
+        return [h for line in done.stdout.decode().splitlines() for h in json.loads(line)["hypotheses"]]
+
+    def twice(h):
+        return len(h["pieces"]) - len(set(h["pieces"]))
+
+    assert sum(twice(h) for h in hypotheses(plain)) > 0
+    assert all(twice(h) == 0 for h in hypotheses(controlled)) and hypotheses(controlled)
+    if precision == "int8":
+        return  # (8-bit products quantize a batch's activations together: teacher forcing differs)
+    translator = Translator.from_checkpoint(trained, device="cpu")
+    compared = 0
+    for line, h in zip([x for x in LINES * 2 if x], hypotheses(controlled)[::2]):
+        scored = translator.score(line, h["text"])
+        if scored.pieces == h["pieces"]:  # (detokenizing and encoding again may split differently)
+            assert scored.token_log_probs == pytest.approx(h["token_log_probs"], abs=1e-4)
+            compared += 1
+        if len(h["pieces"]) > 2:  # the score ranks by the penalised probabilities, not log_prob / lp
+            lp = length_penalty(len(h["pieces"]), 0.6)
+            assert h["score"] != pytest.approx(h["log_prob"] / lp, abs=1e-3)
+    assert compared >= 3
 
 
 def test_a_length_penalty_out_of_range_is_one_line_before_the_checkpoint_loads(tmp_path):

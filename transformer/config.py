@@ -79,6 +79,7 @@ EXPORT_FORMATS = ("ctranslate2", "huggingface")
 MAX_BEAM = 1024  # hypotheses (or samples) per sentence at most: beam_size, nbest
 MAX_ALPHA = 10.0  # the length penalty's exponent at most: lp(1024 tokens) stays a float32 number
 TEMPERATURES = (0.01, 100.0)  # sampling's temperature: logits / temperature stay float32 numbers
+REPETITION_PENALTIES = (0.01, 100.0)  # repetition_penalty: scaled logits stay float32 numbers
 OUTPUT_FORMATS = ("text", "fairseq", "jsonl")  # translate.py (transformer/formats.py)
 ROLES = ("train", "valid", "test")
 
@@ -290,6 +291,8 @@ class SearchConfig(Settings):
     topp: float = 1.0  # sampling: from the most probable tokens whose probability reaches p; 1.0 = all
     temperature: float = 1.0  # sampling: softmax(logits / temperature)
     seed: int = 0  # sampling: the same seed draws the same samples, whatever the batches
+    no_repeat_ngram_size: int = 0  # no output holds an n-gram of this many pieces twice; 0 = off
+    repetition_penalty: float = 1.0  # logits of pieces already output: / p where > 0, * p where < 0
 
     def check(self) -> None:
         self.require(1 <= self.beam_size <= MAX_BEAM, "beam_size", f"must be in 1..{MAX_BEAM}")
@@ -305,6 +308,10 @@ class SearchConfig(Settings):
         self.require(0 < self.topp <= 1, "topp", "must be in (0, 1]")
         low, high = TEMPERATURES
         self.require(low <= self.temperature <= high, "temperature", f"must be in [{low}, {high}]")
+        self.require(self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size", "must be >= 0 (0 = off)")
+        low, high = REPETITION_PENALTIES
+        penalty_ok = low <= self.repetition_penalty <= high
+        self.require(penalty_ok, "repetition_penalty", f"must be in [{low}, {high}]")
         if not self.sampling and (self.topk or self.topp < 1 or self.temperature != 1):
             raise ConfigError(f"{self.PREFIX}topk, topp and temperature shape sampling: add sampling=true")
         super().check()
@@ -327,14 +334,19 @@ class SearchConfig(Settings):
 
     def describe(self) -> str:
         """`beam4.alpha0.6`, `greedy` or `sample.seed<s>` (`sample<n>` for n samples, then `.topk<k>`,
-        `.topp<p>`, `.temp<t>` where set), then `.len<a>x+<b>` for an output limit other than §6.1's: a
-        name that tells one search from another (evaluate.py's result files)."""
+        `.topp<p>`, `.temp<t>` where set), then `.norepeat<n>`, `.reppen<p>` for repetition control and
+        `.len<a>x+<b>` for an output limit other than §6.1's: a name that tells one search from another
+        (evaluate.py's result files)."""
         name = f"beam{self.beam_size}.alpha{self.alpha:g}" if self.beam_size > 1 else "greedy"
         if self.sampling:
             name = f"sample{self.nbest if self.nbest > 1 else ''}.seed{self.seed}"
             shape = {"topk": (self.topk, SearchConfig.topk), "topp": (self.topp, SearchConfig.topp)}
             shape["temp"] = (self.temperature, SearchConfig.temperature)
             name += "".join(f".{k}{v:g}" for k, (v, default) in shape.items() if v != default)
+        if self.no_repeat_ngram_size:
+            name += f".norepeat{self.no_repeat_ngram_size}"
+        if self.repetition_penalty != SearchConfig.repetition_penalty:
+            name += f".reppen{self.repetition_penalty:g}"
         if (self.max_len_a, self.max_len_b) != (SearchConfig.max_len_a, SearchConfig.max_len_b):
             name += f".len{self.max_len_a:g}x+{self.max_len_b}"  # another output limit
         return name

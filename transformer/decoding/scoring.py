@@ -7,7 +7,12 @@ draws of sampling.
   average of its models' probabilities, as fairseq, OpenNMT-py and Marian combine them);
 - `sample_tokens`: a draw from a distribution narrowed by temperature, top-k and top-p, with the uniform
   numbers of `uniform_draws`, which depend on (seed, sentence, sample, step) only: the same seed gives the
-  same samples whatever the batches.
+  same samples whatever the batches;
+- `Repeats`: repetition control, CTranslate2's semantics (Hugging Face's in greedy search and sampling):
+  `repetition_penalty` p scales the logit of every token already in the hypothesis (z / p where z > 0,
+  z * p where z < 0; Keskar et al. 2019) before the softmax, and `no_repeat_ngram_size` n forbids a token
+  that would complete an n-gram the hypothesis already holds. A search ranks by the penalised
+  distribution; each token's recorded log-probability stays the model's own.
 
 PAD and BOS are never generated; EOS is held back while step <= min_len (`mask_specials`).
 """
@@ -108,19 +113,81 @@ def project(states: Tensor, weight: Tensor, linear: Linear) -> Tensor:
 
 
 def next_log_probs(
-    states: list[Tensor], model: Transformer | Ensemble, step: Tensor, min_len: int, linear: Linear
-) -> Tensor:
-    """(R, V) float32 log P(y_step | y_<step, X) of every token, from each member's final decoder states
-    (R, d_model); an ensemble's is log sum_m w_m P_m."""
+    states: list[Tensor],
+    model: Transformer | Ensemble,
+    step: Tensor,
+    min_len: int,
+    linear: Linear,
+    repeats: Repeats | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(ranked, own), each (R, V) float32: own = log P(y_step | y_<step, X) of every token, from each
+    member's final decoder states (R, d_model), an ensemble's log sum_m w_m P_m; ranked = the same with
+    `repeats` acting on each member's logits (own itself without)."""
     models = members(model)
     weights = model.weights if isinstance(model, Ensemble) else [1.0]
-    each = [
-        project(h, m.embed.weight, linear).log_softmax(dim=-1, dtype=torch.float32) + math.log(w)
-        for h, m, w in zip(states, models, weights)
-        if w > 0
-    ]
-    log_probs = each[0] if len(each) == 1 else torch.stack(each).logsumexp(dim=0)
-    return mask_specials(log_probs, step, min_len)
+    logits = [(project(h, m.embed.weight, linear), w) for h, m, w in zip(states, models, weights) if w > 0]
+
+    def mixture(each: list[tuple[Tensor, float]]) -> Tensor:
+        log_probs = [z.log_softmax(dim=-1, dtype=torch.float32) + math.log(w) for z, w in each]
+        log_probs = log_probs[0] if len(log_probs) == 1 else torch.stack(log_probs).logsumexp(dim=0)
+        return mask_specials(log_probs, step, min_len)
+
+    own = mixture(logits)
+    return (own, own) if repeats is None else (mixture([(repeats(z), w) for z, w in logits]), own)
+
+
+@dataclass
+class Repeats:
+    """One step's repetition control (see the module docstring) over rows whose tokens so far are the
+    first step - 1 of history (R, L): which tokens each row holds (`seen`) and which would repeat an
+    n-gram (`banned`), both (R, V) bool or None when off. Reads nothing on the host (CUDA graphs)."""
+
+    penalty: float
+    seen: Tensor | None
+    banned: Tensor | None
+
+    @classmethod
+    def of(cls, history: Tensor, step: Tensor, vocab: int, search: SearchConfig) -> Repeats | None:
+        if search.repetition_penalty == 1.0 and not search.no_repeat_ngram_size:
+            return None
+        valid = torch.arange(history.size(1), device=history.device) < step - 1  # (L,) the tokens so far
+        seen = banned = None
+        if search.repetition_penalty != 1.0:
+            seen = _mark(torch.where(valid, history, vocab), vocab)
+        if search.no_repeat_ngram_size:
+            banned = _ngram_completions(history, step, vocab, search.no_repeat_ngram_size)
+        return cls(search.repetition_penalty, seen, banned)
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """logits (R, c) of the vocabulary's first c tokens, penalised and banned (a new tensor)."""
+        if self.seen is not None:
+            scaled = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
+            logits = torch.where(self.seen, scaled, logits)
+        if self.banned is not None:
+            logits = logits.masked_fill(self.banned, NEG_INF)
+        return logits
+
+
+def _ngram_completions(history: Tensor, step: Tensor, vocab: int, n: int) -> Tensor:
+    """(R, V) bool: the tokens that would make y_<step + [token] end in an n-gram already in BOS y_<step
+    (history (R, L) holds y_1.. in its first step - 1 columns)."""
+    rows = history.size(0)
+    seq = torch.cat([history.new_full((rows, 1), BOS_ID), history], dim=1)  # (R, L + 1): seq[i] = y_i
+    if seq.size(1) < n:
+        return torch.zeros(rows, vocab, dtype=torch.bool, device=history.device)  # no n-gram fits
+    windows = seq.unfold(1, n, 1)  # (R, W, n): window j is y_j .. y_j+n-1
+    at = (step - n + 1 + torch.arange(n - 1, device=seq.device)).clamp(min=0)  # (n - 1,) the newest tokens
+    newest = seq.index_select(1, at)  # (R, n - 1)
+    complete = torch.arange(windows.size(1), device=seq.device) <= step - n  # (W,) within y_<step
+    match = (windows[:, :, :-1] == newest[:, None]).all(dim=-1) & complete  # (R, W)
+    return _mark(torch.where(match, windows[:, :, -1], vocab), vocab)
+
+
+def _mark(tokens: Tensor, vocab: int) -> Tensor:
+    """(R, V) bool: True at the tokens (R, m) of each row; the index V stands for none. Every write is
+    True, so a token given twice is harmless."""
+    marked = torch.zeros(tokens.size(0), vocab + 1, dtype=torch.bool, device=tokens.device)
+    return marked.scatter_(1, tokens, True)[:, :vocab]
 
 
 def uniform_draws(keys: Tensor, step: Tensor) -> Tensor:

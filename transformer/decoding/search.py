@@ -23,8 +23,9 @@ possible". The details it leaves open follow tensor2tensor, the paper's own code
 
 Policies of the same loop: `nbest` keeps the n best finished hypotheses with every token's
 log-probability; an `Ensemble` decodes with the weighted average of its models' probabilities, each
-model with its own cache; `Sampling` draws `nbest` independent samples per sentence instead of
-searching (each row extends itself, ending at EOS or the limit).
+model with its own cache; `sampling` draws `nbest` independent samples per sentence instead of
+searching (each row extends itself, ending at EOS or the limit); repetition control (`Repeats`) ranks
+and draws by a penalised distribution, recording the model's own log-probabilities.
 
 One loop, two ways to run it (`static`): by default done sentences leave the batch, so the others
 decode faster; with `static=True` every step has the same shapes and memory and reads nothing on the
@@ -51,6 +52,7 @@ from transformer.decoding.scoring import (
     NEG_INF,
     Ensemble,
     Linear,
+    Repeats,
     best_next_tokens,
     members,
     next_log_probs,
@@ -253,7 +255,7 @@ class BeamSearch:
         k, alpha = search.width, search.ranking_alpha
         nbest = k if search.sampling else search.nbest  # every sample is kept
         self.model, self.k, self.alpha, self.min_len, self.static = model, k, alpha, min_len, static
-        self.linear, self.sampling = linear, search if search.sampling else None
+        self.linear, self.sampling, self.search = linear, search if search.sampling else None, search
         self.models = members(model)
         b = src.size(0)
         src_mask = source_mask(self.models[0], src)  # (B, S)
@@ -309,13 +311,17 @@ class BeamSearch:
         """Beam search's step: rank the extensions, finish the EOS endings among the k best, extend the
         k best others. Returns the new live scores (N, k) and the row each row extends (N * k,)."""
         beams, k = self.beams, self.k
-        if len(self.models) == 1:
+        repeats = self._repeats(step)
+        own = None  # the chosen tokens' own log-probabilities, where the ranking's differ
+        if len(self.models) == 1 and repeats is None:
             weight = self.models[0].embed.weight
             chosen = best_next_tokens(states[0], weight, step, self.min_len, 2 * k, self.linear)
         else:
-            log_probs = next_log_probs(states, self.model, step, self.min_len, self.linear)  # (N * k, V)
+            args = (states, self.model, step, self.min_len, self.linear, repeats)
+            log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
             chosen = log_probs.topk(min(2 * k, log_probs.size(-1)))
-        ranked = rank_extensions(beams.scores, *chosen, k, penalty)  # of the 2k best next tokens per row
+            own = own_log_probs.gather(1, chosen[1]) if repeats is not None else None
+        ranked = rank_extensions(beams.scores, *chosen, k, penalty, own)  # of the 2k best next tokens per row
         live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores = ranked
         for j in range(beams.best.size(1)):  # the n best EOS endings, best first (EOS itself is not output)
             beams.finish(eos_scores[:, j], eos_rows[:, j], step - 1, eos_token_scores[:, j])
@@ -326,10 +332,11 @@ class BeamSearch:
         """Sampling's step: each live row draws its next token; one drawing EOS is finished, the others
         extend. Returns the new live scores (N, k) (-inf for rows finished) and the identity reorder."""
         beams = self.beams
-        log_probs = next_log_probs(states, self.model, step, self.min_len, self.linear)  # (N * k, V)
+        args = (states, self.model, step, self.min_len, self.linear, self._repeats(step))
+        log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
         token = sample_tokens(log_probs, self.sampling, uniform_draws(beams.keys, step))  # (N * k, 1)
-        token_score = log_probs.gather(1, token).squeeze(1)  # (N * k,)
-        live = beams.scores.view(-1) + token_score  # (N * k,) -inf stays -inf
+        token_score = own_log_probs.gather(1, token).squeeze(1)  # (N * k,)
+        live = beams.scores.view(-1) + log_probs.gather(1, token).squeeze(1)  # (N * k,) -inf stays -inf
         ended = (token.squeeze(1) == EOS_ID).view(beams.scores.shape)  # (N, k)
         n = beams.scores.size(0)
         ending = ended & (beams.scores > NEG_INF)  # (N, k): live rows that drew EOS now
@@ -337,6 +344,11 @@ class BeamSearch:
         identity = torch.arange(live.size(0), device=live.device)
         beams.extend(identity, token, token_score, step)
         return live.view(n, -1).masked_fill(ended, NEG_INF), identity
+
+    def _repeats(self, step: Tensor) -> Repeats | None:
+        """This step's repetition control over the live hypotheses, None when off."""
+        vocab = self.models[0].embed.weight.size(0)
+        return Repeats.of(self.beams.tokens, step, vocab, self.search)
 
     def done(self) -> bool:
         """Whether every sentence is done (a read from the device)."""
@@ -405,21 +417,27 @@ def beam_search(
 
 
 def rank_extensions(
-    scores: Tensor, log_probs: Tensor, next_tokens: Tensor, k: int, penalty: float | Tensor
+    scores: Tensor,
+    log_probs: Tensor,
+    next_tokens: Tensor,
+    k: int,
+    penalty: float | Tensor,
+    own: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """One step's choice among the extensions of N sentences' k live hypotheses.
 
     scores (N, k) float32 log P of the live hypotheses; log_probs, next_tokens (N * k, m): the m best
-    next tokens of each; penalty: lp(step). Of each sentence's 2k best extensions, the k best not
-    ending in EOS live on, and an EOS among the k best finishes its hypothesis. Returns the new live
-    scores (N, k), the old row each new row extends (N * k,), its new token (N * k, 1) and that token's
-    log-probability (N * k,); and per sentence the EOS endings among the k best, best first: their
-    normalized scores (N, k) (-inf where fewer), the rows they end (N, k) and EOS's log-probability
-    (N, k).
+    next tokens of each, ranked by log_probs, their log-probabilities recorded from own (N * k, m) where
+    given (repetition control: the model's own); penalty: lp(step). Of each sentence's 2k best
+    extensions, the k best not ending in EOS live on, and an EOS among the k best finishes its
+    hypothesis. Returns the new live scores (N, k), the old row each new row extends (N * k,), its new
+    token (N * k, 1) and that token's log-probability (N * k,); and per sentence the EOS endings among
+    the k best, best first: their normalized scores (N, k) (-inf where fewer), the rows they end (N, k)
+    and EOS's log-probability (N, k).
     """
     n, k_in = scores.shape
     m = log_probs.size(-1)
-    token_scores = log_probs.view(n, k_in * m)
+    token_scores = (log_probs if own is None else own).view(n, k_in * m)
     candidates = (scores[:, :, None] + log_probs.view(n, k_in, m)).view(n, k_in * m)
     if candidates.size(1) < 2 * k:  # fewer candidates than asked for: pad with impossible ones
         candidates = F.pad(candidates, (0, 2 * k - candidates.size(1)), value=NEG_INF)
