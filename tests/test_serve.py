@@ -193,6 +193,18 @@ def test_an_oversized_body_an_unknown_path_and_attention(server):
     assert server.translate({"text": LINES[0], "attention": True, "attention_layer": 7})[0] == 400
 
 
+def test_a_line_longer_than_the_model_takes_is_translated_in_parts(server):
+    """With outputs of up to 20 x |X| + 50 the model takes 47 pieces: a line of four sentences (about 75)
+    is translated sentence by sentence and joined, as translate.py does; its attention, of no one source,
+    is null."""
+    room, line = {"max_len_a": 20.0, "max_len_b": 50}, " ".join(LINES * 2)
+    status, answer = server.translate({"text": [line, LINES[0]], "attention": True, **room})
+    expected = Translator.from_checkpoint(CHECKPOINT, device="cpu", **room).translate([line, LINES[0]])
+    (split, whole) = [t["hypotheses"][0] for t in answer["translations"]]
+    assert status == 200 and [split["text"], whole["text"]] == expected
+    assert split["pieces"].count("</s>") == 4 and split["attention"] is None and whole["attention"]
+
+
 def test_sigterm_stops_it_cleanly():
     running = Running("device=cpu")
     assert running.request("GET", "/health")[0] == 200

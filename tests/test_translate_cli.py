@@ -57,7 +57,7 @@ def test_every_input_line_gets_one_output_line(tiny_checkpoint):
     assert all(output[i] for i in (0, 3, 4, 5, 6, 7))  # an untrained model still says something
     errors = done.stderr.decode()
     assert "line 4: invalid UTF-8" in errors
-    assert "line 5:" in errors and "translating the first" in errors
+    assert "line 5:" in errors and "parts; translating its sentences alone" in errors  # split, not cut
     assert "Traceback" not in errors
 
 
@@ -102,7 +102,7 @@ def test_many_bad_lines_give_the_first_few_warnings_and_a_count(tiny_checkpoint)
     assert "30 lines in all like these (lines 1, 2, 3, 4, 5, ...): undecodable bytes replaced" in errors[5]
     too_long = [line for line in errors if "pieces exceed" in line]
     assert len(too_long) == 5 and too_long[0].startswith("WARNING: line 31: ")
-    assert "7 lines in all like these (lines 31, 32, 33, 34, 35, ...): translating the first" in errors[-1]
+    assert "7 lines in all like these (lines 31, 32, 33, 34, 35, ...): translating its" in errors[-1]
     assert len(errors) == 12
 
 

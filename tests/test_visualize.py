@@ -26,7 +26,7 @@ def test_one_panel_per_head_labelled_with_pieces(tiny_checkpoint):
     cfg = VisualizeConfig(checkpoint=str(tiny_checkpoint), text="x", max_len_b=4)
     translator = Translator.from_checkpoint(cfg)
     tokenizer, heads = translator.tokenizer, translator.model.cfg.n_heads
-    src = translator.encode(["The cat sees the house."])[0]
+    (src,) = translator.encode(["The cat sees the house."])[0]  # one line, one source
     out = translator.translate_ids([src])[0]
     figures = attention_figures(translator.model, tokenizer, src, out, layer=0)
     assert sorted(figures) == ["cross", "decoder_self", "encoder_self"]
@@ -75,7 +75,7 @@ def test_heatmaps_refuse_a_long_text_and_show_the_start_of_a_long_translation(
     monkeypatch.setattr(translator, "translate_ids", lambda ids: pytest.fail("translated a refused text"))
     with pytest.raises(ConfigError, match="pieces long .EOS included.; a heatmap shows at most 8"):
         visualize.draw_attention(translator, "The cat sees the house. A dog likes a red ball.", -1, tmp_path)
-    long_output = translator.encode(["The cat sees the house. A dog likes a red ball."])[0][:-1]
+    long_output = translator.encode(["The cat sees the house. A dog likes a red ball."])[0][0][:-1]
     monkeypatch.setattr(translator, "translate_ids", lambda ids: [long_output])
     translation, _, figures = visualize.draw_attention(translator, "A", -1, tmp_path)
     assert translation == translator.tokenizer.decode(long_output)  # the whole translation is returned

@@ -80,6 +80,7 @@ MAX_BEAM = 1024  # hypotheses (or samples) per sentence at most: beam_size, nbes
 MAX_ALPHA = 10.0  # the length penalty's exponent at most: lp(1024 tokens) stays a float32 number
 TEMPERATURES = (0.01, 100.0)  # sampling's temperature: logits / temperature stay float32 numbers
 REPETITION_PENALTIES = (0.01, 100.0)  # repetition_penalty: scaled logits stay float32 numbers
+LONG_INPUTS = ("split", "truncate")  # a line longer than a model takes (inference/translation.py)
 OUTPUT_FORMATS = ("text", "fairseq", "jsonl")  # translate.py (transformer/formats.py)
 ROLES = ("train", "valid", "test")
 
@@ -293,6 +294,9 @@ class SearchConfig(Settings):
     seed: int = 0  # sampling: the same seed draws the same samples, whatever the batches
     no_repeat_ngram_size: int = 0  # no output holds an n-gram of this many pieces twice; 0 = off
     repetition_penalty: float = 1.0  # logits of pieces already output: / p where > 0, * p where < 0
+    # a line longer than the model takes: "split" at sentence ends (an overlong sentence into parts),
+    # translated in parts and joined | "truncate": its first pieces only
+    long_inputs: str = "split"
 
     def check(self) -> None:
         self.require(1 <= self.beam_size <= MAX_BEAM, "beam_size", f"must be in 1..{MAX_BEAM}")
@@ -312,6 +316,7 @@ class SearchConfig(Settings):
         low, high = REPETITION_PENALTIES
         penalty_ok = low <= self.repetition_penalty <= high
         self.require(penalty_ok, "repetition_penalty", f"must be in [{low}, {high}]")
+        self.require_choice("long_inputs", LONG_INPUTS)
         if not self.sampling and (self.topk or self.topp < 1 or self.temperature != 1):
             raise ConfigError(f"{self.PREFIX}topk, topp and temperature shape sampling: add sampling=true")
         super().check()
@@ -334,9 +339,9 @@ class SearchConfig(Settings):
 
     def describe(self) -> str:
         """`beam4.alpha0.6`, `greedy` or `sample.seed<s>` (`sample<n>` for n samples, then `.topk<k>`,
-        `.topp<p>`, `.temp<t>` where set), then `.norepeat<n>`, `.reppen<p>` for repetition control and
-        `.len<a>x+<b>` for an output limit other than §6.1's: a name that tells one search from another
-        (evaluate.py's result files)."""
+        `.topp<p>`, `.temp<t>` where set), then `.norepeat<n>`, `.reppen<p>` for repetition control,
+        `.len<a>x+<b>` for an output limit other than §6.1's and `.truncate` for long inputs truncated: a
+        name that tells one search from another (evaluate.py's result files)."""
         name = f"beam{self.beam_size}.alpha{self.alpha:g}" if self.beam_size > 1 else "greedy"
         if self.sampling:
             name = f"sample{self.nbest if self.nbest > 1 else ''}.seed{self.seed}"
@@ -349,6 +354,8 @@ class SearchConfig(Settings):
             name += f".reppen{self.repetition_penalty:g}"
         if (self.max_len_a, self.max_len_b) != (SearchConfig.max_len_a, SearchConfig.max_len_b):
             name += f".len{self.max_len_a:g}x+{self.max_len_b}"  # another output limit
+        if self.long_inputs != SearchConfig.long_inputs:
+            name += f".{self.long_inputs}"
         return name
 
 

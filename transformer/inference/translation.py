@@ -1,7 +1,10 @@
-"""Translate lines of text with a checkpoint: the part shared by translate.py, evaluate.py and the
-attention script. Bad input never stops a run: an empty line translates to an empty line, invalid
-UTF-8 is replaced, an over-long line is truncated (each with a warning naming the line), and there is
-always exactly one output line per input line.
+"""Translate lines of text with a checkpoint: the part shared by translate.py, evaluate.py, the server
+and the attention script. Bad input never stops a run: an empty line translates to an empty line,
+invalid UTF-8 is replaced, a line longer than the model takes is split at its sentence ends (Moses'
+rules, by the `sentence_splitter` package, as WMT's pipelines split; a sentence still too long is cut
+into parts at word starts), its parts translated alone and joined, or truncated with
+`long_inputs=truncate` (each with a warning naming the line); there is always exactly one output line
+per input line.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sentence_splitter import SentenceSplitter, SentenceSplitterException
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
@@ -82,6 +86,7 @@ class Translator:
         # an ensemble's sources and outputs fit its shortest member
         self.max_positions = min(m.cfg.max_positions for m in self.models)
         self.max_source_tokens(cfg.search)  # a limit that leaves no room for a source fails now
+        self._splitter: SentenceSplitter | None = None  # made when a line first needs it
 
     def max_source_tokens(self, search: SearchConfig) -> int:
         """The longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b
@@ -130,18 +135,54 @@ class Translator:
         info = {k: ckpt.get(k) for k in ("step", "data_meta", "config")}
         return cls(models, loaded[0][1], cfg, info, kernels)
 
-    def encode(self, lines: list[str], search: SearchConfig | None = None) -> list[list[int]]:
-        """Source ids (pieces + [EOS]) per line; lines too long for the search's output limit are
-        truncated with a warning."""
-        sources, too_long, room = [], [], self.max_source_tokens(search or self.cfg.search) - 1
+    def encode(self, lines: list[str], search: SearchConfig | None = None) -> list[list[list[int]]]:
+        """Per line its sources (pieces + [EOS]), none for an empty line: one, or for a line longer than
+        the search's output limit leaves room for, its parts (`long_inputs=split`) or its first pieces
+        (`truncate`), with a warning naming the line."""
+        search = search or self.cfg.search
+        sources, split, cut, room = [], [], [], self.max_source_tokens(search) - 1
         for number, line in enumerate(lines, start=1):
             ids = self.tokenizer.encode(line) if line.strip() else []
+            parts = [ids] if ids else []
             if len(ids) > room:
-                too_long.append((number, f"{len(ids)} pieces exceed the {room} this model can take"))
-                ids = ids[:room]
-            sources.append(ids + [EOS_ID] if ids else [])
-        warn_lines(too_long, f"translating the first {room} pieces")
+                problem = f"{len(ids)} pieces exceed the {room} this model can take"
+                if search.long_inputs == "split":
+                    parts = self._parts(line, room)
+                    split.append((number, f"{problem}: {len(parts)} parts"))
+                else:
+                    parts = [ids[:room]]
+                    cut.append((number, problem))
+            sources.append([part + [EOS_ID] for part in parts])
+        warn_lines(split, "translating its sentences alone (a sentence too long in parts), joined")
+        warn_lines(cut, f"translating the first {room} pieces")
         return sources
+
+    def _parts(self, line: str, room: int) -> list[list[int]]:
+        """The pieces of each sentence of an overlong line; a sentence longer than room cut into near
+        equal parts, each ending before a piece that starts a word where one is in its second half."""
+        parts = []
+        for sentence in self.splitter.split(line):
+            ids = self.tokenizer.encode(sentence)
+            starts = [piece.startswith("▁") for piece in self.tokenizer.pieces(ids)]
+            while len(ids) > room:
+                size = -(-len(ids) // -(-len(ids) // room))  # the parts' size, at most room
+                end = next((j for j in range(size, size // 2, -1) if starts[j]), size)
+                parts.append(ids[:end])
+                ids, starts = ids[end:], starts[end:]
+            parts += [ids] if ids else []
+        return parts
+
+    @property
+    def splitter(self) -> SentenceSplitter:
+        """Moses' sentence splitter for the source language (English's rules where it has none)."""
+        if self._splitter is None:
+            lang = (self.info.get("data_meta") or {}).get("src_lang") or "en"
+            try:
+                self._splitter = SentenceSplitter(language=lang)
+            except SentenceSplitterException:
+                log.warning("no sentence-splitting rules for %r; splitting long lines by English's", lang)
+                self._splitter = SentenceSplitter(language="en")
+        return self._splitter
 
     def packed(self) -> AbstractContextManager[None]:
         """The weights packed once for every batch (`Products.prepacked`), in 8 bits for precision=int8."""
@@ -204,9 +245,8 @@ class Translator:
         """One output line per input line, the best (line breaks inside a translation become spaces);
         for one line given as a string, its translation."""
         one, lines = _lines(lines)
-        translations = [
-            self.text(ids) for ids in self.translate_ids(self.encode(lines, search), progress, search)
-        ]
+        nbest = self.nbest_of(self.encode(lines, search), progress, search=search)
+        translations = [hypotheses[0].text if hypotheses else "" for hypotheses in nbest]
         return translations[0] if one else translations
 
     def translate_nbest(
@@ -225,14 +265,25 @@ class Translator:
 
     def nbest_of(
         self,
-        sources: list[list[int]],
+        sources: list[list[list[int]]],
         progress: bool = False,
         first: int | list[int] = 0,
         search: SearchConfig | None = None,
     ) -> list[list[Translation]]:
-        """`translate_nbest` of sources encoded already (`encode`'s ids)."""
-        found = self.search_all(sources, progress, first, search)
-        return [[self._translation(h) for h in hypotheses if h.token_log_probs] for hypotheses in found]
+        """`translate_nbest` of lines encoded already (`encode`'s sources). A line in parts: its i-th
+        hypothesis joins its parts' i-th, their scores, log-probabilities and pieces (each "</s>" too)
+        added up."""
+        numbers = [first + i for i in range(len(sources))] if isinstance(first, int) else first
+        # each part draws its own samples: the first the line's number, the others apart from every line's
+        keys = [
+            n if j == 0 else -((n << 20) + j) for n, parts in zip(numbers, sources) for j in range(len(parts))
+        ]
+        found = iter(self.search_all([part for parts in sources for part in parts], progress, keys, search))
+        nbest = []
+        for parts in sources:
+            each = [[self._translation(h) for h in next(found) if h.token_log_probs] for _ in parts]
+            nbest.append(each[0] if len(each) == 1 else [_joined(h) for h in zip(*each)])
+        return nbest
 
     def score(
         self, lines: list[str] | str, translations: list[str] | str, search: SearchConfig | None = None
@@ -245,7 +296,9 @@ class Translator:
         if len(lines) != len(translations):
             raise ConfigError(f"{len(lines)} input lines but {len(translations)} translations to score")
         search = search or self.cfg.search
-        sources, room = self.encode(lines, search), self.max_positions - 1
+        # the given translation is the whole line's: its source is not split
+        encoded = self.encode(lines, dataclasses.replace(search, long_inputs="truncate"))
+        sources, room = [parts[0] if parts else [] for parts in encoded], self.max_positions - 1
         targets = [self.tokenizer.encode(t)[:room] + [EOS_ID] for t in translations]
         scored: list[Translation | None] = [None] * len(lines)
         todo = [i for i, ids in enumerate(sources) if ids]
@@ -270,6 +323,17 @@ class Translator:
     def _translation(self, h: Hypothesis) -> Translation:
         pieces = self.tokenizer.pieces(h.tokens) + ["</s>"] * (len(h.token_log_probs) - len(h.tokens))
         return Translation(self.text(h.tokens), h.score, h.log_prob, pieces, h.token_log_probs)
+
+
+def _joined(parts: tuple[Translation, ...]) -> Translation:
+    """The translations of a line's parts as the line's: texts joined by a space, the rest added up."""
+    return Translation(
+        " ".join(filter(None, (t.text for t in parts))),
+        sum(t.score for t in parts),
+        sum(t.log_prob for t in parts),
+        [piece for t in parts for piece in t.pieces],
+        [p for t in parts for p in t.token_log_probs],
+    )
 
 
 def rows(cfg: DecodeConfig) -> tuple[int, int]:

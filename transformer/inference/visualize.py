@@ -7,6 +7,7 @@ machines without a display and can be handed to TensorBoard's `SummaryWriter.add
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -193,7 +194,8 @@ def draw_attention(
 ) -> tuple[str, list[Path], dict[str, Figure]]:
     """Translate `text`, then write its heatmaps for `layer` into `out_dir`.
     Returns the translation, the PNG paths and the figures."""
-    src_ids = translator.encode([" ".join(text.splitlines())])[0]
+    whole = dataclasses.replace(translator.cfg.search, long_inputs="truncate")  # one source: no parts
+    src_ids = translator.encode([" ".join(text.splitlines())], whole)[0][0]
     if len(src_ids) > MAX_PIECES:
         raise ConfigError(
             f"the text is {len(src_ids)} pieces long (EOS included); a heatmap shows at most {MAX_PIECES}: "

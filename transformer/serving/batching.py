@@ -27,7 +27,7 @@ class Job:
 
     id: str
     request: Request
-    sources: list[list[int]]  # each line's pieces + EOS, as the search takes them
+    sources: list[list[list[int]]]  # each line's sources (pieces + EOS; parts of a long line), as encoded
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     arrived: float = field(default_factory=time.monotonic)

@@ -116,7 +116,7 @@ class Service:
         if not jobs:
             return
         self.metrics.batch.observe(len(jobs))
-        sources = [ids for job in jobs for ids in job.sources]
+        sources = [parts for job in jobs for parts in job.sources]
         numbers = [i for job in jobs for i in range(len(job.request.lines))]  # each request's own samples
         try:
             found = self.translator.nbest_of(sources, first=numbers, search=jobs[0].request.search)
@@ -128,9 +128,9 @@ class Service:
         for job in jobs:
             answers = []
             found_here = found[start : start + len(job.request.lines)]
-            for line, src_ids, hypotheses in zip(job.request.lines, job.sources, found_here):
+            for line, parts, hypotheses in zip(job.request.lines, job.sources, found_here):
                 answers.append(
-                    {"source": line, "hypotheses": [self._hypothesis(src_ids, h, job) for h in hypotheses]}
+                    {"source": line, "hypotheses": [self._hypothesis(parts, h, job) for h in hypotheses]}
                 )
             start += len(job.request.lines)
             job.answer(
@@ -142,13 +142,16 @@ class Service:
                 }
             )
 
-    def _hypothesis(self, src_ids: list[int], h: Any, job: Job) -> dict[str, Any]:
+    def _hypothesis(self, parts: list[list[int]], h: Any, job: Job) -> dict[str, Any]:
+        """A hypothesis' answer, with its attention where asked (null for a line translated in parts)."""
         entry = translation_dict(h)
         if job.request.attention:
             t = self.translator
             out_ids = t.tokenizer.encode(h.text) if h.text else []
-            entry["attention"] = attention_weights(
-                t.model, t.tokenizer, src_ids, out_ids, job.request.attention_layer
+            entry["attention"] = (
+                attention_weights(t.model, t.tokenizer, parts[0], out_ids, job.request.attention_layer)
+                if len(parts) == 1
+                else None
             )
         return entry
 
@@ -174,7 +177,7 @@ class Service:
             sources = translator.encode(parsed.lines, parsed.search)
         else:
             sources = await run_in_threadpool(translator.encode, parsed.lines, parsed.search)
-        cost = request_cost(sources, parsed.search, parsed.attention)
+        cost = request_cost([part for parts in sources for part in parts], parsed.search, parsed.attention)
         if cost > self.cfg.max_request_cost:
             raise BadRequest(
                 f"this request costs {cost:,} (source pieces x beam or samples x output limit, x nbest "

@@ -1,0 +1,92 @@
+"""Lines longer than a model takes (`long_inputs`): split at sentence ends (Moses' rules), a sentence
+still too long cut into parts at word starts, the parts translated alone and joined, against translating
+each part on its own; or truncated. Through the Python API, translate.py and the server's encoding."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from test_translate_cli import translate
+from test_translate_features import LINES, trained  # noqa: F401 (a fixture)
+
+from transformer.config import ConfigError, SearchConfig, TranslateConfig
+from transformer.inference.translation import Translator
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SENTENCES = [line for line in LINES if line]
+# outputs up to 10 x |X| + 50 in 1,024 positions: sources of at most 97 pieces (96 and EOS)
+SHORT_ROOM = {"max_len_a": 10.0, "max_len_b": 50}
+
+
+@pytest.fixture(scope="module")
+def translator(trained):  # noqa: F811
+    return Translator.from_checkpoint(trained, device="cpu", **SHORT_ROOM)
+
+
+def test_a_line_of_sentences_too_long_is_translated_sentence_by_sentence(translator, caplog):
+    line = " ".join(SENTENCES * 2)  # six sentences, about 130 pieces
+    assert len(translator.tokenizer.encode(line)) > 96
+    with caplog.at_level(logging.WARNING):
+        (parts,) = translator.encode([line])
+    assert len(parts) == 6 and "line 1:" in caplog.text and "6 parts" in caplog.text
+    alone = translator.translate(SENTENCES * 2)
+    assert translator.translate(line) == " ".join(t for t in alone if t)  # (an empty one adds no space)
+    (nbest,) = translator.translate_nbest([line], search=SearchConfig(**SHORT_ROOM, nbest=2, beam_size=4))
+    each = translator.translate_nbest(SENTENCES * 2, search=SearchConfig(**SHORT_ROOM, nbest=2, beam_size=4))
+    for i, joined in enumerate(nbest):  # the i-th joins the sentences' i-th
+        parts = [hypotheses[i] for hypotheses in each]
+        assert joined.text == " ".join(t.text for t in parts if t.text)
+        assert joined.pieces == [p for t in parts for p in t.pieces] and joined.pieces.count("</s>") == 6
+        assert joined.log_prob == pytest.approx(sum(joined.token_log_probs), abs=1e-4)
+        assert joined.score == pytest.approx(sum(t.score for t in parts), abs=1e-4)
+
+
+def test_a_sentence_too_long_is_cut_at_word_starts_into_parts_that_fit(translator):
+    line = " ".join(["the old man sees the small bird and the dog"] * 12)  # no sentence end
+    pieces = translator.tokenizer.encode(line)
+    (parts,) = translator.encode([line])
+    assert len(pieces) > 96 and len(parts) == -(-len(pieces) // 96)
+    assert all(len(part) <= 97 and part[-1] == 3 for part in parts)  # pieces + EOS
+    assert [i for part in parts for i in part[:-1]] == pieces  # nothing lost, nothing repeated
+    texts = [translator.tokenizer.decode(part[:-1]) for part in parts]
+    assert all(translator.tokenizer.pieces(part[:1])[0].startswith("▁") for part in parts)  # at a word
+    assert " ".join(texts) == line
+    assert translator.translate(line) == " ".join(translator.translate(texts))
+
+
+def test_truncate_keeps_the_first_pieces(translator, caplog):
+    line = " ".join(SENTENCES * 2)
+    truncate = SearchConfig(**SHORT_ROOM, long_inputs="truncate")
+    with caplog.at_level(logging.WARNING):
+        (parts,) = translator.encode([line], truncate)
+    assert parts == [translator.tokenizer.encode(line)[:96] + [3]]
+    assert "line 1:" in caplog.text and "translating the first 96 pieces" in caplog.text
+    assert translator.translate(line, search=truncate) != translator.translate(line)
+
+
+def test_translate_py_splits_by_default_one_output_line_per_input_line(trained, tmp_path):  # noqa: F811
+    long_line = " ".join(SENTENCES * 2)
+    stdin = "\n".join([SENTENCES[0], long_line, "", long_line]).encode()
+    settings = [f"checkpoint={trained}", "max_len_a=10", "max_len_b=50"]
+    split = translate(*settings, stdin=stdin)
+    cut = translate(*settings, "long_inputs=truncate", stdin=stdin)
+    jsonl = translate(*settings, "output_format=jsonl", stdin=stdin)
+    assert split.returncode == cut.returncode == jsonl.returncode == 0, split.stderr.decode()
+    lines = split.stdout.decode().splitlines()
+    assert len(lines) == 4 and lines[1] == lines[3] and lines[2] == ""
+    expected = Translator.from_checkpoint(trained, device="cpu", **SHORT_ROOM).translate(long_line)
+    assert lines[1] == expected and len(cut.stdout.decode().splitlines()) == 4
+    assert cut.stdout.decode().splitlines()[1] != lines[1]
+    assert "line 2:" in split.stderr.decode() and "line 4:" in split.stderr.decode()
+    entries = [json.loads(line) for line in jsonl.stdout.decode().splitlines()]
+    assert entries[1]["hypotheses"][0]["text"] == expected
+    assert entries[1]["hypotheses"][0]["pieces"].count("</s>") == 6
+
+
+def test_a_bad_long_inputs_value_is_one_line_before_loading():
+    with pytest.raises(ConfigError, match="long_inputs='cut' must be one of 'split' or 'truncate'"):
+        TranslateConfig(checkpoint="x.pt", long_inputs="cut")
+    done = translate("checkpoint=missing.pt", "long_inputs=cut", stdin=b"a\n")
+    assert done.returncode == 2 and "long_inputs='cut' must be" in done.stderr.decode()
