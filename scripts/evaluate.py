@@ -1,4 +1,5 @@
-"""BLEU of a checkpoint on one split of a corpus, beside the paper's figures (§6.1, Tables 2-3).
+"""BLEU of a checkpoint on one split of a corpus, beside the paper's figures (§6.1, Tables 2-3), and
+sacreBLEU's chrF and chrF++.
 
   python scripts/evaluate.py data=wmt14_en_de split=test \
       checkpoint=runs/paper_base/checkpoints/checkpoint_average_last5.pt

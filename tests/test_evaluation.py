@@ -1,5 +1,5 @@
-"""BLEU: the paper-comparable tokenized score checked by hand and against sacreBLEU, and evaluate.py
-end to end on a few Multi30k-style lines."""
+"""BLEU: the paper-comparable tokenized score checked by hand and against sacreBLEU; chrF and chrF++
+beside it; evaluate.py end to end on a few Multi30k-style lines."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF
 
 from transformer.checkpoint import load_checkpoint, write_checkpoint
 from transformer.config import ConfigError, DataConfig
 from transformer.inference.evaluation import (
+    chrf,
     lowercase_bleu,
     moses_tokenize,
     paper_table,
@@ -111,6 +112,24 @@ def test_paper_table_puts_published_figures_beside_ours():
     assert "27.30" in toy and "another corpus: for context only" in toy and "for this checkpoint" not in toy
 
 
+def test_chrf_and_chrf_plus_plus_are_sacrebleus_and_stay_out_of_the_bleu_comparisons():
+    scores = score_all(HYPOTHESES, REFERENCES, "de", lowercase=False)
+    for name, word_order in (("chrf", 0), ("chrf++", 2)):
+        expected = CHRF(word_order=word_order).corpus_score(HYPOTHESES, [REFERENCES]).score
+        assert scores[name].score == pytest.approx(expected, abs=1e-12)
+        assert f"nw:{word_order}" in scores[name].signature and "case:mixed" in scores[name].signature
+    assert scores["chrf"].score != scores["chrf++"].score
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        chrf(HYPOTHESES, REFERENCES[:1])
+    lines = paper_table(scores, "wmt14_en_de", "test").splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.split()[:2] == ["chrF", "metric"])
+    assert all("chrf" not in line for line in lines[:heading])  # ours by BLEU, then the published BLEU
+    assert any(line.startswith("Transformer (big), newstest2014") for line in lines[:heading])
+    assert [line.split()[2:] for line in lines[heading + 1 :]] == [
+        [name, f"{scores[name].score:.2f}", scores[name].signature] for name in ("chrf", "chrf++")
+    ]
+
+
 def write_corpus(directory: Path, src: list[str], tgt: list[str]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "test_2016_flickr.en").write_text("".join(s + "\n" for s in src), encoding="utf-8")
@@ -153,13 +172,19 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
-    assert "41.02" in done.stdout and "tokenized_lowercase" in done.stdout
+    assert "41.02" in done.stdout and "tokenized_lowercase" in done.stdout and "chrf++" in done.stdout
     report = tmp_path / "checkpoint_last.pt.multi30k.test.beam2.alpha0.6.len1x+10"  # not §6.1's limit: named
     result = json.loads(Path(f"{report}.bleu.json").read_text())
     hypotheses = Path(f"{report}.hyp.de").read_text().splitlines()
     assert len(hypotheses) == result["sentences"] == 3 and result["split_name"] == "test_2016_flickr"
     expected = lowercase_bleu(hypotheses, references, "de").score
     assert result["scores"]["tokenized_lowercase"]["score"] == pytest.approx(expected)
+    for name, word_order in (("chrf", 0), ("chrf++", 2)):
+        metric = CHRF(word_order=word_order)
+        assert result["scores"][name]["score"] == pytest.approx(
+            metric.corpus_score(hypotheses, [references]).score
+        )
+        assert result["scores"][name]["signature"] == str(metric.get_signature())
     greedy = [arg if arg != "beam_size=2" else "beam_size=1" for arg in command]
     assert subprocess.run(greedy, capture_output=True, cwd=ROOT, timeout=300, env=env).returncode == 0
     greedy_path = tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.bleu.json"

@@ -1,12 +1,14 @@
-"""BLEU on the valid split while training, the best checkpoint and early stopping (trainer.bleu_every_steps,
-trainer.best_metric, trainer.patience), through the real train(cfg): a toy model trained for 600 steps
-(tests/data/checkpoint_2b99159.pt) resumed for 20 more, whose BLEU is not 0, and the tiny reversal
-corpus of test_training_run. BLEU equals scripts/evaluate.py's on the same checkpoint and changes no
-trained bit, the best checkpoint resumes, a resumed run keeps its best-so-far, patience stops the run
-and the finish stage runs."""
+"""BLEU and chrF on the valid split while training, the best checkpoint and early stopping
+(trainer.translate_every_steps, trainer.best_metric, trainer.patience), through the real train(cfg): a
+toy model trained for 600 steps (tests/data/checkpoint_2b99159.pt) resumed for 20 more, whose BLEU is
+not 0, and the tiny reversal corpus of test_training_run. BLEU equals scripts/evaluate.py's on the same
+checkpoint, chrF sacreBLEU's on the hypotheses written, and neither changes a trained bit; the best
+checkpoint resumes, a resumed run keeps its best-so-far, patience stops the run and the finish stage
+runs."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -16,11 +18,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from sacrebleu.metrics import CHRF
 from test_old_checkpoints import _recorded_overrides
 from test_training_run import ENV, ROOT, compose_config, corpus, overrides, tensorboard_scalars  # noqa: F401
 
 from transformer.checkpoint import BEST, checkpoint_dir, load_checkpoint
 from transformer.config import ConfigError, EvaluateConfig, TrainConfig, TrainerConfig, from_dict
+from transformer.data.sources import read_split
 from transformer.inference.evaluation import evaluate_checkpoint
 from transformer.training import train
 from transformer.training.finish import finish
@@ -28,7 +32,7 @@ from transformer.training.finish import finish
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 OLD = ROOT / "tests" / "data" / "checkpoint_2b99159.pt"  # a toy model trained for 600 steps
-BLEU = ["trainer.bleu_every_steps=5", "trainer.best_metric=bleu", "trainer.save_every_steps=5"]
+BLEU = ["trainer.translate_every_steps=5", "trainer.best_metric=bleu", "trainer.save_every_steps=5"]
 
 
 def toy(tmp: Path, run_dir: Path, *extra: str) -> TrainConfig:
@@ -60,7 +64,7 @@ def test_bleu_validation_changes_no_trained_bit(with_bleu, tmp_path):
         toy(
             tmp_path,
             tmp_path / "run",
-            "trainer.bleu_every_steps=0",  # (the demo's own is on)
+            "trainer.translate_every_steps=0",  # (the demo's own is on)
             "trainer.best_metric=loss",
             "trainer.save_every_steps=5",
             f"trainer.resume={OLD}",
@@ -90,6 +94,21 @@ def test_valid_bleu_is_the_evaluation_scripts_and_its_hypotheses_are_kept(with_b
         assert Path(result["hypotheses"]).read_text().splitlines() == hypotheses
 
 
+def test_valid_chrf_is_sacrebleus_on_the_hypotheses_training_wrote(with_bleu):
+    """chrF and chrF++ of each validation: sacreBLEU's on its valid_step<N>.hyp.de and the references."""
+    references = read_split(toy(with_bleu.parent, with_bleu).data, "valid").tgt
+    chrf, chrf_plus = (tensorboard_scalars(with_bleu, f"valid/{name}") for name in ("chrf", "chrf++"))
+    assert len(chrf) == len(chrf_plus) == 4 and min(chrf) > 0
+    for step, ours, ours_plus in zip((605, 610, 615, 620), chrf, chrf_plus):
+        hypotheses = (checkpoint_dir(with_bleu) / f"valid_step{step}.hyp.de").read_text().splitlines()
+        assert len(hypotheses) == len(references) == 50
+        expected = CHRF().corpus_score(hypotheses, [references]).score
+        expected_plus = CHRF(word_order=2).corpus_score(hypotheses, [references]).score
+        assert ours == pytest.approx(expected, rel=1e-6)
+        assert ours_plus == pytest.approx(expected_plus, rel=1e-6)
+        assert expected != expected_plus
+
+
 def test_the_best_checkpoint_is_the_best_validations_and_resumes(with_bleu, tmp_path):
     logged = tensorboard_scalars(with_bleu, "valid/bleu")
     best = load_checkpoint(checkpoint_dir(with_bleu) / BEST)
@@ -114,6 +133,35 @@ def test_the_best_checkpoint_is_the_best_validations_and_resumes(with_bleu, tmp_
     if end == 620:
         for name, tensor in weights(tmp_path / "run", 620).items():
             assert torch.equal(tensor, weights(with_bleu, 620)[name]), name
+
+
+def test_best_metric_chrf_keeps_the_highest_chrf_and_patience_stops_on_it(with_bleu, tmp_path):
+    """Resumed from the BLEU run's step 610 (its BLEU record, of another metric, starts anew) with chrF
+    every 2 steps and a patience of 3: the best checkpoint is that of the highest chrF, and three
+    validations in a row below it stop the run. Resumed from that best by BLEU, the chrF record starts
+    anew in turn: a BLEU far below it is the new run's first best."""
+    shutil.copytree(with_bleu.parent / "data", tmp_path / "data")
+    every = ["trainer.translate_every_steps=2", "trainer.save_every_steps=2"]
+    run, start = tmp_path / "chrf", checkpoint_dir(with_bleu) / "checkpoint_610.pt"
+    chrf = [*every, "trainer.best_metric=chrf", "trainer.patience=3", "trainer.max_steps=640"]
+    train(toy(tmp_path, run, *chrf, f"trainer.resume={start}"))
+    logged = tensorboard_scalars(run, "valid/chrf")
+    last = load_checkpoint(checkpoint_dir(run) / "checkpoint_last.pt")
+    steps = list(range(612, last["step"] + 1, 2))
+    best = steps[logged.index(max(logged))]
+    assert last["early_stopped"] and last["step"] < 640 and len(logged) == len(steps)
+    assert last["best"] == {"metric": "chrf", "value": pytest.approx(max(logged)), "step": best, "since": 3}
+    assert last["step"] == best + 3 * 2 and load_checkpoint(checkpoint_dir(run) / BEST)["step"] == best
+    again = tmp_path / "bleu"
+    by_bleu = [*every, "trainer.best_metric=bleu", f"trainer.max_steps={best + 2}"]
+    train(toy(tmp_path, again, *by_bleu, f"trainer.resume={checkpoint_dir(run) / BEST}"))
+    record = load_checkpoint(checkpoint_dir(again) / "checkpoint_last.pt")["best"]
+    assert record["value"] < max(logged) and record == {
+        "metric": "bleu",
+        "value": pytest.approx(tensorboard_scalars(again, "valid/bleu")[0]),
+        "step": best + 2,
+        "since": 0,
+    }
 
 
 def test_a_resumed_run_keeps_its_best_so_far(with_bleu, tmp_path):
@@ -149,11 +197,14 @@ def test_patience_stops_early_and_the_finish_stage_runs(corpus, tmp_path, capsys
     assert load_checkpoint(checkpoint_dir(tmp_path) / "checkpoint_last.pt")["step"] == last["step"]
 
 
-def test_best_metric_bleu_without_bleu_validations_is_refused():
-    with pytest.raises(
-        ConfigError, match="trainer.best_metric='bleu' needs its validations: trainer.bleu_every_steps is 0"
-    ):
-        TrainerConfig(best_metric="bleu")
+def test_best_metric_by_translation_without_its_validations_is_refused():
+    for metric in ("bleu", "chrf", "chrf++"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^trainer.best_metric='{re.escape(metric)}' needs its validations: "
+            "trainer.translate_every_steps is 0$",
+        ):
+            TrainerConfig(best_metric=metric)
     with pytest.raises(ConfigError, match="needs its validations: trainer.eval_every_steps is 0"):
         TrainerConfig(eval_every_steps=0, patience=3)
 
@@ -161,7 +212,7 @@ def test_best_metric_bleu_without_bleu_validations_is_refused():
 def test_under_ddp_every_rank_stops_together(corpus, tmp_path):  # noqa: F811
     """Two processes: rank 0 computes BLEU, both ranks learn it and stop at the same validation (the
     tiny corpus' 4-gram BLEU stays 0: the second validation is no better than the first)."""
-    settings = ["trainer.bleu_every_steps=2", "trainer.best_metric=bleu", "trainer.patience=1"]
+    settings = ["trainer.translate_every_steps=2", "trainer.best_metric=bleu", "trainer.patience=1"]
     settings += ["trainer.max_steps=20", "trainer.eval_every_steps=0", "finish.beam_size=1"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     args = overrides(corpus, tmp_path / "ddp", *settings)

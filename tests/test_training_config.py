@@ -284,8 +284,35 @@ def test_validations_on_data_without_a_valid_split_fail_before_training(tmp_path
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "error: trainer.bleu_every_steps=100, trainer.patience=2, trainer.best_metric=bleu: validations on "
-        "the 'valid' split, which data toy does not have; add one (data.splits.valid) or turn these off"
+        "error: trainer.translate_every_steps=100, trainer.patience=2, trainer.best_metric=bleu: validations "
+        "on the 'valid' split, which data toy does not have; add one (data.splits.valid) or turn these off"
+    )
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_best_metric_chrf_without_a_valid_split_or_its_validations_is_refused():
+    no_valid = ("experiment=demo", "~data.splits.valid", "finish.evaluate_split=null")
+    for metric in ("chrf", "chrf++"):
+        said = f"trainer.translate_every_steps=100, trainer.best_metric={metric}: validations on the 'valid'"
+        with pytest.raises(ConfigError, match=f"^{re.escape(said)} split, which data toy does not have"):
+            composed(*no_valid, f"trainer.best_metric={metric}")
+        said = f"trainer.best_metric='{metric}' needs its validations: trainer.translate_every_steps is 0"
+        with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
+            composed(f"trainer.best_metric={metric}", "trainer.translate_every_steps=0")
+
+
+def test_the_old_name_bleu_every_steps_still_works_but_not_beside_the_new_one(tmp_path):
+    """The old name sets the new one; beside it (a recipe's translate_every_steps) it is refused in one
+    line, an old trainer.bleu_every_steps=0 included, rather than ignored."""
+    trainer = composed("trainer.bleu_every_steps=500", "trainer.best_metric=chrf++").trainer
+    assert (trainer.translate_every_steps, trainer.bleu_every_steps) == (500, None)
+    said = "trainer.bleu_every_steps=0 is the old name of trainer.translate_every_steps=100: give one"
+    with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
+        composed("experiment=demo", "trainer.bleu_every_steps=0")
+    both = run_cli("experiment=multi30k", "trainer.bleu_every_steps=250", f"trainer.run_dir={tmp_path}")
+    assert both.returncode == 2, both.stderr
+    assert both.stderr.strip().splitlines()[-1] == (
+        "error: trainer.bleu_every_steps=250 is the old name of trainer.translate_every_steps=500: give one"
     )
     assert not (tmp_path / "checkpoints").exists()
 

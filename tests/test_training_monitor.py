@@ -76,3 +76,18 @@ def test_logged_scalars_are_interval_means_and_the_peak_gpu_memory(tmp_path, mon
         }
     )
     assert "step 2:" in caplog.text and "peak_mem_gib 3" in caplog.text
+
+
+def test_valid_chrf_and_chrf_plus_plus_are_logged_beside_bleu(tmp_path, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scores = {"bleu": 21.5, "sacrebleu": 20.25, "chrf": 48.5, "chrf++": 46.75}
+    watch = monitor.Monitor(tmp_path, True, False, (0, 10), 2, torch.device("cpu"), None)
+    with caplog.at_level(logging.INFO), watch:
+        watch.scores(4, scores)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    got = {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in tags}
+    assert got == {f"valid/{name}": [(4, value)] for name, value in scores.items()}
+    assert "step 4: valid BLEU 21.50 (sacreBLEU 20.25), chrF 48.50, chrF++ 46.75" in caplog.text

@@ -862,7 +862,7 @@ def test_compiled_training_compiles_each_region_once_for_all_batch_shapes_and_ma
             return self.objective(src, tgt_in, tgt_out)
 
     monkeypatch.setattr(loss_module, "CHUNK_ROWS", 128)  # the batches' rows: 3 or 4 times that
-    args = ["trainer.max_steps=8", "trainer.eval_every_steps=4", "trainer.bleu_every_steps=4"]
+    args = ["trainer.max_steps=8", "trainer.eval_every_steps=4", "trainer.translate_every_steps=4"]
     args.append("model.dropout=0")
     valid, weights = {}, {}
     for compiled in (False, True):

@@ -400,9 +400,13 @@ class TrainerConfig(DeviceConfig):
     save_every_minutes: float = 10.0  # the paper wrote a checkpoint every 10 minutes; 0 = off
     keep_last: int = 20  # numbered checkpoints kept (averaging takes up to 20, §6.1)
     eval_every_steps: int = 1000  # validation loss on the `valid` split; 0 = off
-    bleu_every_steps: int = 0  # BLEU on the `valid` split with the finish stage's search; 0 = off
-    bleu_sentences: int = 0  # the first N sentences of the valid split for BLEU; 0 = all
-    best_metric: str = "loss"  # "loss" | "bleu": checkpoint_best.pt is the best validation's checkpoint
+    # translate the `valid` split with the finish stage's search and score it: BLEU, chrF, chrF++; 0 = off
+    translate_every_steps: int = 0
+    bleu_every_steps: int | None = None  # deprecated: the old name of translate_every_steps
+    bleu_sentences: int = 0  # the first N sentences of the valid split to translate; 0 = all
+    # "loss" (lower is better) | "bleu" | "chrf" | "chrf++" (higher): checkpoint_best.pt is the best
+    # validation's checkpoint
+    best_metric: str = "loss"
     patience: int = 0  # stop after this many validations of best_metric without improvement; 0 = off
     log_every_steps: int = 100
     # [first, last]: these optimizer steps under torch.profiler, each operator's time, a Chrome trace and
@@ -417,6 +421,13 @@ class TrainerConfig(DeviceConfig):
     dist_timeout_minutes: float = 15.0  # a collective waiting longer (a peer died) fails instead of hanging
 
     def check(self) -> None:
+        if self.bleu_every_steps is not None:  # the old name: its value under the new one
+            self.require(
+                not self.translate_every_steps,
+                "bleu_every_steps",
+                f"is the old name of trainer.translate_every_steps={self.translate_every_steps}: give one",
+            )
+            self.translate_every_steps, self.bleu_every_steps = self.bleu_every_steps, None
         self.require_choice("precision", TRAIN_PRECISIONS)
         self.require_positive(
             "max_steps",
@@ -432,7 +443,7 @@ class TrainerConfig(DeviceConfig):
             "save_every_steps",
             "save_every_minutes",
             "eval_every_steps",
-            "bleu_every_steps",
+            "translate_every_steps",
             "patience",
         ):
             self.require(getattr(self, key) >= 0, key, "must be >= 0 (0 = off)")
@@ -440,7 +451,7 @@ class TrainerConfig(DeviceConfig):
         self.require(
             self.length_buckets is None or self.length_buckets >= 0, "length_buckets", "must be >= 0"
         )
-        self.require_choice("best_metric", ("loss", "bleu"))
+        self.require_choice("best_metric", ("loss", "bleu", "chrf", "chrf++"))
         unknown = sorted(set(self.resume_changes) - set(RESUME_CHANGES))
         self.require(not unknown, "resume_changes", f"has {unknown}: each must be {one_of(RESUME_CHANGES)}")
         if self.profile_steps is not None:
@@ -461,9 +472,10 @@ class TrainerConfig(DeviceConfig):
                 "attention_backends",
                 "needs one besides flash, which takes no padding mask on CUDA",
             )
-        validations = self.bleu_every_steps if self.best_metric == "bleu" else self.eval_every_steps
-        every = "trainer.bleu_every_steps" if self.best_metric == "bleu" else "trainer.eval_every_steps"
-        if self.best_metric == "bleu" or self.patience:  # loss without validations: no best checkpoint
+        translated = self.best_metric != "loss"  # a score of the valid split's translations
+        validations = self.translate_every_steps if translated else self.eval_every_steps
+        every = "trainer.translate_every_steps" if translated else "trainer.eval_every_steps"
+        if translated or self.patience:  # loss without validations: no best checkpoint
             self.require(validations > 0, "best_metric", f"needs its validations: {every} is 0")
         super().check()
 
@@ -511,9 +523,9 @@ class TrainConfig(Settings):
         stage that evaluates a split it has and averages checkpoints the run keeps."""
         trainer, finish, roles = self.trainer, self.finish, self.data.split_names
         if "valid" not in roles:
-            needs = [f"trainer.{k}={getattr(trainer, k)}" for k in ("bleu_every_steps", "patience")]
-            needs = [need for need, on in zip(needs, (trainer.bleu_every_steps, trainer.patience)) if on]
-            needs += ["trainer.best_metric=bleu"] if trainer.best_metric == "bleu" else []
+            needs = [f"trainer.{k}={getattr(trainer, k)}" for k in ("translate_every_steps", "patience")]
+            needs = [need for need, on in zip(needs, (trainer.translate_every_steps, trainer.patience)) if on]
+            needs += [f"trainer.best_metric={trainer.best_metric}"] if trainer.best_metric != "loss" else []
             if needs:
                 raise ConfigError(
                     f"{', '.join(needs)}: validations on the 'valid' split, which data {self.data.name} "

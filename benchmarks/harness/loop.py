@@ -90,7 +90,7 @@ def train_overrides(args: argparse.Namespace, data: DataConfig, cfg: ModelConfig
     timed = first + steady
     command += [f"trainer.run_dir={run_dir}", f"trainer.max_steps={timed + PROFILED}"]
     command += [f"trainer.profile_steps=[{timed + 1},{timed + PROFILED}]", "trainer.progress=false"]
-    command += ["trainer.log_every_steps=1", "trainer.eval_every_steps=0", "trainer.bleu_every_steps=0"]
+    command += ["trainer.log_every_steps=1", "trainer.eval_every_steps=0", "trainer.translate_every_steps=0"]
     command += ["trainer.save_every_steps=0", "trainer.save_every_minutes=0", "trainer.best_metric=loss"]
     return command + ["finish.average_last=0", "finish.evaluate_split=null"]
 

@@ -28,7 +28,7 @@ class Corpus:
     train: ShardDataset
     longest: int  # the positions the train split's longest pair is padded to
     valid: list[Batch] | None  # this rank's share of the valid split; None when there is none or eval is off
-    valid_text: Split | None  # rank 0: the valid split's raw text for BLEU (trainer.bleu_sentences of it)
+    valid_text: Split | None  # rank 0: the valid split's raw text to translate (trainer.bleu_sentences of it)
 
     def sampler(
         self, trainer: TrainerConfig, rank: int, world_size: int, buckets: int | list[int] | None
@@ -66,7 +66,7 @@ def read_corpus(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Corpus:
     if "valid" not in meta["splits"] and trainer.eval_every_steps and rank == 0:
         log.warning("data %s has no 'valid' split: no validation loss, no checkpoint_best.pt", cfg.data.name)
     text = None
-    if trainer.bleu_every_steps and rank == 0:
+    if trainer.translate_every_steps and rank == 0:
         split = read_split(cfg.data, "valid")
         n = trainer.bleu_sentences or len(split.src)
         text = replace(split, src=split.src[:n], tgt=split.tgt[:n])

@@ -1,4 +1,5 @@
-"""BLEU as the paper reports it, and as it is reported today (§6.1, Table 2, Table 3).
+"""BLEU as the paper reports it, and as it is reported today (§6.1, Table 2, Table 3); chrF and chrF++
+beside it.
 
 - `sacre_bleu`: sacreBLEU on detokenized, cased text (13a tokenization), with its signature: the
   number to compare across papers today.
@@ -13,6 +14,8 @@
   release `*.lc.norm.tok.*`): the text lowercased first, every letter (Moses' lowercase.perl;
   multi-bleu.perl -lc alone would lower A-Z only), Moses-tokenized, no compound splitting. Its
   reference for test_2016_flickr has 12,103 tokens, the reference length in their BLEU log.
+- `chrf`: sacreBLEU's character n-gram F-score (chrF, Popović 2015; chrF++ adds word 1- and 2-grams,
+  Popović 2017) on detokenized, cased text, with its signature. No published figure to compare.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
 from transformer.config import EvaluateConfig, to_dict
@@ -98,9 +101,22 @@ class Bleu:
     signature: str
 
 
-def _bleu(hypotheses: list[str], references: list[str], **options: object) -> Bleu:
+@dataclass
+class Chrf:
+    score: float
+    char_order: int
+    word_order: int  # 0: chrF; 2: chrF++
+    beta: int  # recall weighs beta times as much as precision
+    signature: str
+
+
+def _same_length(hypotheses: list[str], references: list[str]) -> None:
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+
+
+def _bleu(hypotheses: list[str], references: list[str], **options: object) -> Bleu:
+    _same_length(hypotheses, references)
     metric = BLEU(force=True, **options)  # force: pre-tokenized input is intended here
     result = metric.corpus_score(hypotheses, [references])
     return Bleu(
@@ -137,14 +153,27 @@ def _multi_bleu(hypotheses: list[str], references: list[str], **options: object)
     return _bleu(hypotheses, references, tokenize="none", smooth_method="none", **options)
 
 
-def score_all(hypotheses: list[str], references: list[str], lang: str, lowercase: bool) -> dict[str, Bleu]:
-    """Every BLEU variant: sacrebleu, tokenized, and (when asked) tokenized_lowercase."""
-    scores = {
+def chrf(hypotheses: list[str], references: list[str], word_order: int = 0) -> Chrf:
+    """sacreBLEU's chrF (word_order 0) or chrF++ (word_order 2), detokenized and cased."""
+    _same_length(hypotheses, references)
+    metric = CHRF(word_order=word_order)
+    result = metric.corpus_score(hypotheses, [references])
+    return Chrf(result.score, result.char_order, result.word_order, result.beta, str(metric.get_signature()))
+
+
+def score_all(
+    hypotheses: list[str], references: list[str], lang: str, lowercase: bool
+) -> dict[str, Bleu | Chrf]:
+    """Every BLEU variant: sacrebleu, tokenized, and (when asked) tokenized_lowercase; then chrf and
+    chrf++."""
+    scores: dict[str, Bleu | Chrf] = {
         "sacrebleu": sacre_bleu(hypotheses, references),
         "tokenized": tokenized_bleu(hypotheses, references, lang),
     }
     if lowercase:
         scores["tokenized_lowercase"] = lowercase_bleu(hypotheses, references, lang)
+    scores["chrf"] = chrf(hypotheses, references)
+    scores["chrf++"] = chrf(hypotheses, references, word_order=2)
     return scores
 
 
@@ -152,27 +181,37 @@ def published(data_name: str, role: str) -> list[Published]:
     return PUBLISHED.get((data_name, role), [])
 
 
-def paper_table(scores: dict[str, Bleu], data_name: str, role: str, label: str = "this checkpoint") -> str:
-    """A text table: this checkpoint's BLEU variants, then each published figure beside ours."""
-    rows = [(f"{label}: {name}", bleu.score, bleu.signature) for name, bleu in scores.items()]
+def paper_table(
+    scores: dict[str, Bleu | Chrf], data_name: str, role: str, label: str = "this checkpoint"
+) -> str:
+    """A text table: this checkpoint's BLEU variants, each published figure beside ours, then its chrF
+    and chrF++ (published figures are BLEU only)."""
+    bleus = {name: score for name, score in scores.items() if isinstance(score, Bleu)}
+    rows = [(f"{label}: {name}", bleu.score, bleu.signature) for name, bleu in bleus.items()]
     for figure in published(data_name, role):
-        ours = scores.get(figure.metric)
+        ours = bleus.get(figure.metric)
         if not figure.comparable:
             delta = "another corpus: for context only"
         else:
             delta = f"{ours.score - figure.bleu:+.2f} for this checkpoint" if ours else "not scored here"
         note = f"{figure.source}; {figure.metric}; {delta}"
         rows.append((f"{figure.model}, {figure.test_set}", figure.bleu, note))
-    width = max(len(name) for name, _, _ in rows)
-    lines = [f"{'':{width}}   BLEU  metric"]
-    lines += [f"{name:{width}}  {score:5.2f}  {note}" for name, score, note in rows]
+    chrfs = [(f"{label}: {name}", s.score, s.signature) for name, s in scores.items() if isinstance(s, Chrf)]
+    width = max(len(name) for name, _, _ in rows + chrfs)
+    lines = [f"{'':{width}}   BLEU  metric", *_table_rows(rows, width)]
+    if chrfs:
+        lines += [f"{'':{width}}   chrF  metric", *_table_rows(chrfs, width)]
     return "\n".join(lines)
 
 
-def report(scores: dict[str, Bleu], data_name: str, role: str) -> dict[str, object]:
+def _table_rows(rows: list[tuple[str, float, str]], width: int) -> list[str]:
+    return [f"{name:{width}}  {score:5.2f}  {note}" for name, score, note in rows]
+
+
+def report(scores: dict[str, Bleu | Chrf], data_name: str, role: str) -> dict[str, object]:
     """The JSON-ready form of the scores and the published figures."""
     return {
-        "scores": {name: asdict(bleu) for name, bleu in scores.items()},
+        "scores": {name: asdict(score) for name, score in scores.items()},
         "published": [asdict(figure) for figure in published(data_name, role)],
     }
 
@@ -236,6 +275,6 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
     path = f"{stem}.bleu.json"
     atomic.write_bytes(Path(path), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
     of = " + ".join(checkpoints)
-    title = f"BLEU of {of} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
+    title = f"BLEU and chrF of {of} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
     table = f"{title}\n{paper_table(scores, data.name, cfg.split)}\nwrote {path} and {result['hypotheses']}"
     return {**result, "path": path, "table": table}

@@ -1,6 +1,7 @@
-"""BLEU on the valid split while training (`trainer.bleu_every_steps`, rank 0): the live model decodes
-the raw source text with the finish stage's search (§6.1), scored with the corpus's published metric
-(the paper's tokenized BLEU for WMT, Wu et al.'s lowercased one for Multi30k) and sacreBLEU beside it.
+"""BLEU, chrF and chrF++ on the valid split while training (`trainer.translate_every_steps`, rank 0): the
+live model decodes the raw source text with the finish stage's search (§6.1), scored with the corpus's
+published metric (the paper's tokenized BLEU for WMT, Wu et al.'s lowercased one for Multi30k),
+sacreBLEU, chrF and chrF++ beside it, all from the same hypotheses.
 It draws from no random generator, so the trained weights are bitwise those of a run without it. The
 hypotheses of each validation go beside the checkpoints: `valid_step<N>.hyp.<lang>`."""
 
@@ -19,10 +20,13 @@ from transformer.kernels.timing import decoding_kernels
 from transformer.training.state import Run
 from transformer.utils import atomic
 
+# what each validation logs, in this order on every rank; "bleu" is the corpus's published metric
+SCORES = ("bleu", "sacrebleu", "chrf", "chrf++")
 
-def valid_bleu(run: Run, text: Split) -> dict[str, float]:
-    """{"bleu": the corpus's metric, "sacrebleu": ...} of the live model at this step, on `text`: the
-    first `trainer.bleu_sentences` sentences of the valid split (`corpus.read_corpus`)."""
+
+def valid_scores(run: Run, text: Split) -> dict[str, float]:
+    """{"bleu": the corpus's metric, "sacrebleu", "chrf", "chrf++"} of the live model at this step, on
+    `text`: the first `trainer.bleu_sentences` sentences of the valid split (`corpus.read_corpus`)."""
     checkpoint, device, search = str(run.run_dir), str(run.runtime.device), to_dict(run.cfg.finish.search)
     # the weights stay as they train (fp32), the search in dynamic shapes
     cfg = DecodeConfig(checkpoint=checkpoint, device=device, precision="fp32", cuda_graphs=False, **search)
@@ -41,4 +45,4 @@ def valid_bleu(run: Run, text: Split) -> dict[str, float]:
     path = checkpoint_dir(run.run_dir) / f"valid_step{run.step}.hyp.{data.tgt_lang}"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic.write_bytes(path, "".join(h + "\n" for h in hypotheses).encode("utf-8"))
-    return {"bleu": scores[metric].score, "sacrebleu": scores["sacrebleu"].score}
+    return {name: scores[metric if name == "bleu" else name].score for name in SCORES}

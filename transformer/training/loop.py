@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from transformer.config import TrainConfig
-from transformer.training.bleu import valid_bleu
+from transformer.training.bleu import SCORES, valid_scores
 from transformer.training.distributed import all_reduce_sum
 from transformer.training.fallback import SpeedPaths
 from transformer.training.graphs import StepGraphs
@@ -120,13 +120,11 @@ def _validate(plan: Plan, run: Run, decision: Decision, objective: nn.Module, mo
         loss, nll = validate(objective, plan.corpus.valid, runtime)
         monitor.valid(run.step, loss, nll)
         value = loss if run.best.metric == "loss" else value
-    if decision.bleu:
-        scores = (
-            valid_bleu(run, plan.corpus.valid_text) if runtime.is_main else {"bleu": 0.0, "sacrebleu": 0.0}
-        )
+    if decision.translate:
+        scores = valid_scores(run, plan.corpus.valid_text) if runtime.is_main else dict.fromkeys(SCORES, 0.0)
         scores = dict(zip(scores, all_reduce_sum(list(scores.values()), runtime)))  # rank 0's, everywhere
-        monitor.bleu(run.step, scores)
-        value = scores["bleu"] if run.best.metric == "bleu" else value
+        monitor.scores(run.step, scores)
+        value = scores.get(run.best.metric, value)
     if value is None:
         return False
     best = run.best.update(run.step, value)

@@ -1,8 +1,8 @@
 """Watching a run: a tqdm bar (loss, learning rate, tokens/s, ETA) and TensorBoard scalars under
 `<run_dir>/tensorboard` (train loss, perplexity, lr, gradient norm, tokens/s, real target tokens per
 step, model FLOP utilisation on GPUs whose bf16 peak is known, the peak GPU memory of tensors so far;
-validation loss and perplexity); with trainer.profile_steps, a profile of those steps
-(`profile.Profiler`) under `<run_dir>/profile`. Only rank 0 writes anything.
+validation loss and perplexity; the valid split's BLEU, chrF and chrF++); with trainer.profile_steps,
+a profile of those steps (`profile.Profiler`) under `<run_dir>/profile`. Only rank 0 writes anything.
 """
 
 from __future__ import annotations
@@ -205,12 +205,20 @@ class Monitor:
             self.writer.add_scalar("valid/ppl", math.exp(min(nll, 50.0)), step)
             log.info("step %d: valid loss %.4f, perplexity %.2f", step, loss, math.exp(min(nll, 50.0)))
 
-    def bleu(self, step: int, scores: dict[str, float]) -> None:
-        """BLEU on the valid split: the corpus's metric as valid/bleu, sacreBLEU beside it."""
+    def scores(self, step: int, scores: dict[str, float]) -> None:
+        """The valid split's translations scored: the corpus's BLEU as valid/bleu, sacreBLEU, chrF and
+        chrF++ beside it (valid/sacrebleu, valid/chrf, valid/chrf++)."""
         if self.enabled:
             for name, value in scores.items():
                 self.writer.add_scalar(f"valid/{name}", value, step)
-            log.info("step %d: valid BLEU %.2f (sacreBLEU %.2f)", step, scores["bleu"], scores["sacrebleu"])
+            log.info(
+                "step %d: valid BLEU %.2f (sacreBLEU %.2f), chrF %.2f, chrF++ %.2f",
+                step,
+                scores["bleu"],
+                scores["sacrebleu"],
+                scores["chrf"],
+                scores["chrf++"],
+            )
 
     def fallback(self, step: int, message: str) -> None:
         """A speed path failed at `step` and the run goes on without it (`fallback.SpeedPaths`)."""

@@ -1,7 +1,7 @@
 """When the training loop validates, saves and stops.
 
-- validation: every `trainer.eval_every_steps` steps and after the last one; BLEU every
-  `trainer.bleu_every_steps` steps and after the last one;
+- validation: every `trainer.eval_every_steps` steps and after the last one; the valid split translated
+  and scored (BLEU, chrF, chrF++) every `trainer.translate_every_steps` steps and after the last one;
 - the best checkpoint: `checkpoint_best.pt` after each validation of `trainer.best_metric` that beats
   every earlier one (`Best`); `trainer.patience` validations in a row that do not improve stop the run
   early, with a checkpoint, and the finish stage runs;
@@ -57,7 +57,7 @@ class Decision:
     """What to do after a step."""
 
     validate: bool
-    bleu: bool
+    translate: bool  # translate the valid split and score it
     save: bool
     interim: bool  # saved only for the stop: no save was due
     stop: bool
@@ -65,8 +65,8 @@ class Decision:
 
 @dataclass
 class Best:
-    """The best validation so far of `metric` ("loss": lower is better; "bleu": higher), its step, and
-    the validations since that did not beat it; a checkpoint saves and restores it."""
+    """The best validation so far of `metric` ("loss": lower is better; "bleu", "chrf", "chrf++":
+    higher), its step, and the validations since that did not beat it; a checkpoint saves and restores it."""
 
     metric: str
     value: float | None = None
@@ -123,10 +123,11 @@ class Policy:
             self._skipped(step, stats)
         last, healthy = step == self.trainer.max_steps, self.nonfinite == 0
         due = save_due or last or (healthy and _every(self.trainer.save_every_steps, step))
-        bleu = self.trainer.bleu_every_steps > 0 and (_every(self.trainer.bleu_every_steps, step) or last)
+        every = self.trainer.translate_every_steps
+        translate = every > 0 and (_every(every, step) or last)
         return Decision(
             validate=healthy and (_every(self.trainer.eval_every_steps, step) or last),
-            bleu=healthy and bleu,
+            translate=healthy and translate,
             save=stop or due,
             interim=stop and not due,
             stop=stop,
