@@ -415,6 +415,9 @@ class TrainerConfig(DeviceConfig):
     resume: str = "auto"  # "auto" (newest valid checkpoint in run_dir) | "never" | a checkpoint path
     # differences from the resumed checkpoint accepted knowingly, of RESUME_CHANGES, e.g. [trainer.max_tokens]
     resume_changes: list[str] = field(default_factory=list)
+    # a checkpoint whose weights (and tokenizer: the corpus is encoded with it) start a new run: Adam, the
+    # schedule, the step and the best validation start afresh; once the run has saved, resume=auto goes on
+    finetune_from: str | None = None
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
     seed: int = 1
     progress: bool = True

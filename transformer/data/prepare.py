@@ -46,13 +46,19 @@ _OPERATIONAL_KEYS = ("dir", "force", "num_workers")  # they change how data is b
 _DEFAULTS = to_dict(DataConfig())
 
 
-def prepare(cfg: DataConfig) -> Path:
-    """Build (or finish, or verify) the prepared corpus in `cfg.dir`; returns that directory."""
+def prepare(cfg: DataConfig, tokenizer: bytes | None = None) -> Path:
+    """Build (or finish, or verify) the prepared corpus in `cfg.dir`; returns that directory. tokenizer: a
+    SentencePiece model to encode with (a fine-tuned checkpoint's) instead of learning one."""
     out = Path(cfg.dir)
     if out.is_dir():
         remove_temp_files(out)
     meta = _resume_or_start(out, cfg)
     tokenizer_done = _tokenizer_done(out, meta)
+    if tokenizer is not None and tokenizer_done and (out / SPM_FILE).read_bytes() != tokenizer:
+        raise ConfigError(
+            f"{out} holds data encoded with another tokenizer than trainer.finetune_from's; choose another "
+            "data.dir, or data.force=true to encode it anew with the checkpoint's"
+        )
     if not tokenizer_done:
         meta["splits"] = {}  # shards encoded with another tokenizer are stale
     pending = [role for role in meta["split_names"] if not _split_done(out, meta, role)]
@@ -65,7 +71,9 @@ def prepare(cfg: DataConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         meta["complete"] = False
         _write_meta(out, meta)  # readers must not trust shards while they are being replaced
-        if not tokenizer_done:
+        if not tokenizer_done and tokenizer is not None:
+            _keep_tokenizer(out, meta, tokenizer, model_type="given")
+        elif not tokenizer_done:
             _learn_tokenizer(out, cfg, meta, splits["train"])
         model_bytes = (out / SPM_FILE).read_bytes()
         for role in pending:
@@ -153,14 +161,14 @@ def _learn_tokenizer(out: Path, cfg: DataConfig, meta: dict[str, Any], train: Sp
     except ValueError as error:
         raise DataError(str(error)) from None
     log.info("learned the BPE model in %.1f s", time.perf_counter() - start)
+    _keep_tokenizer(out, meta, model_bytes, model_type="bpe", sample_sentences=len(sample))
+
+
+def _keep_tokenizer(out: Path, meta: dict[str, Any], model_bytes: bytes, **about: Any) -> None:
+    """The SentencePiece model the shards are encoded with, in `out` and recorded in meta.json."""
     atomic.write_bytes(out / SPM_FILE, model_bytes)
     vocab_size = spm_tokenizer.Tokenizer.from_bytes(model_bytes).vocab_size
-    meta["tokenizer"] = {
-        "file": SPM_FILE,
-        "sha256": sha256_file(out / SPM_FILE),
-        "model_type": "bpe",
-        "sample_sentences": len(sample),
-    }
+    meta["tokenizer"] = {"file": SPM_FILE, "sha256": sha256_file(out / SPM_FILE), **about}
     meta["vocab_size"] = vocab_size
     meta["dtype"] = shard_dtype(vocab_size).name
     _write_meta(out, meta)

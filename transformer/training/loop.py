@@ -54,7 +54,9 @@ def train(cfg: TrainConfig, parts: Parts | None = None) -> Path:
     plan = Plan.make(cfg)  # everything the settings and the checkpoint decide: mistakes stop here
     try:
         plan = plan.with_data()
-        run, objective = start_run(plan.cfg, plan.runtime, plan.sampler, plan.corpus, plan.resume)
+        run, objective = start_run(
+            plan.cfg, plan.runtime, plan.sampler, plan.corpus, plan.resume, plan.finetune
+        )
         validated = objective.module if plan.runtime.distributed else objective  # no gradient sync needed
         objective = parts.objective(objective)
         graphs = parts.graphs or (StepGraphs if plan.graphs else None)

@@ -28,7 +28,7 @@ from transformer.checkpoint import (
     load_checkpoint,
     set_aside_newer,
 )
-from transformer.config import LENGTH_BUCKETS, RESUME_CHANGES, ConfigError, TrainConfig
+from transformer.config import LENGTH_BUCKETS, RESUME_CHANGES, ConfigError, TrainConfig, to_dict
 from transformer.data.batching import Batch, TokenBudgetBatchSampler
 from transformer.data.corpus import Corpus, batches_forever, read_corpus
 from transformer.data.prepare import SPM_FILE, prepare
@@ -41,6 +41,9 @@ from transformer.training.state import Resume
 from transformer.utils.atomic import remove_temp_files
 
 log = logging.getLogger(__name__)
+# model settings of the training, not of the weights: a fine-tuning run may change them (the vocabulary
+# is the checkpoint's, its tokenizer encoding the corpus)
+TRAINING_ONLY = ("init", "dropout", "attention_dropout", "moe_capacity", "moe_aux_loss")
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Plan:
     cfg: TrainConfig
     runtime: Runtime  # rank, world size, device, precision, CPU kernels
     resume: Resume | None  # None: from step 0
+    finetune: Resume | None = None  # the checkpoint whose weights step 0 starts from (trainer.finetune_from)
     # decided with the data
     corpus: Corpus | None = None
     sampler: TokenBudgetBatchSampler | None = None  # this rank's share of each step's batches
@@ -73,6 +77,7 @@ class Plan:
                 lock(plan.run_dir)
                 plan.locked = True
             plan.resume = find_resume(cfg, runtime)
+            plan.finetune = find_finetune(cfg, plan.resume)
             runtime.kernels = choose_kernels(cfg, runtime, plan.resume)
         except BaseException:
             plan.close()
@@ -90,11 +95,17 @@ class Plan:
     def with_data(self) -> Plan:
         """The corpus (prepared by rank 0 while the others wait) and what it decides."""
         cfg, runtime = self.cfg, self.runtime
-        if runtime.is_main:
-            prepare(cfg.data)  # a quick check when it is ready
+        if runtime.is_main:  # a quick check when it is ready; fine-tuning encodes with its checkpoint's BPE
+            prepare(cfg.data, tokenizer=self.finetune.ckpt["spm_model"] if self.finetune else None)
         wait_for_main(runtime)
         corpus = read_corpus(cfg, runtime.rank, runtime.world_size)
         vocab = corpus.meta["vocab_size"]
+        fresh = self.resume is None and self.finetune is None
+        if fresh and corpus.meta["tokenizer"].get("model_type") == "given":
+            raise ConfigError(
+                f"{cfg.data.dir} holds data encoded with a checkpoint's tokenizer (trainer.finetune_from); "
+                "a new run learns its own: choose another data.dir, or data.force=true to rebuild it"
+            )
         if self.resume is not None:  # the rest of the model was compared before the data (`find_resume`)
             check_vocabulary(cfg, self.resume, vocab)
         if self.resume is not None and (changes := check_resume_changes(cfg, self.resume, corpus.spm_model)):
@@ -155,6 +166,8 @@ class Plan:
     def log_start(self) -> None:
         trainer, runtime, resume = self.cfg.trainer, self.runtime, self.resume
         start = "step 0" if resume is None else f"{resume.path} at step {resume.ckpt['step']}"
+        if self.finetune is not None:
+            start = f"step 0 with the weights of {self.finetune.path} (fine-tuning)"
         batch = trainer.batch_tokens(runtime.world_size)
         accum = trainer.grad_accum(runtime.world_size)
         log.info(
@@ -201,6 +214,14 @@ def check_settings(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"trainer.resume={trainer.resume}: no such file (use auto, never or a checkpoint path)"
         )
+    if trainer.finetune_from is not None:
+        if not Path(trainer.finetune_from).is_file():
+            raise ConfigError(f"trainer.finetune_from={trainer.finetune_from}: no such file")
+        if trainer.resume not in ("auto", "never"):
+            raise ConfigError(
+                f"trainer.finetune_from starts a new run, trainer.resume={trainer.resume} continues one: "
+                "give one"
+            )
     check_finish(cfg)
     every, average = trainer.save_every_steps, cfg.finish.average_last
     if average > 1 and every and trainer.max_steps % every:
@@ -247,6 +268,33 @@ def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
     if runtime.is_main and checkpoint_dir(run_dir).is_dir():
         remove_temp_files(checkpoint_dir(run_dir))
     return resume
+
+
+def find_finetune(cfg: TrainConfig, resume: Resume | None) -> Resume | None:
+    """The checkpoint whose weights start the run (trainer.finetune_from), its model compared with this
+    run's before the data is prepared; None without one, or once the run has its own checkpoints."""
+    path = cfg.trainer.finetune_from
+    if path is None:
+        return None
+    if resume is not None:
+        log.info("trainer.finetune_from=%s started this run; it goes on from %s", path, resume.path)
+        return None
+    ckpt = load_checkpoint(path)
+    missing = [key for key in ("model", "model_config", "spm_model") if not ckpt.get(key)]
+    if missing:
+        lacks = ", ".join(missing)
+        raise CheckpointError(f"trainer.finetune_from={path} cannot start a run: it has no {lacks}")
+    theirs, mine = ckpt["model_config"], to_dict(cfg.model)
+    changed = [
+        f"model.{key}={mine[key]} (the checkpoint's: {theirs.get(key)})"
+        for key in sorted(mine)
+        if key not in (*TRAINING_ONLY, "vocab_size") and theirs.get(key) != mine[key]
+    ]
+    if changed:
+        raise ConfigError(
+            f"trainer.finetune_from={path} holds another model: {', '.join(changed)}; set the checkpoint's"
+        )
+    return Resume(Path(path), ckpt)
 
 
 def check_vocabulary(cfg: TrainConfig, resume: Resume, vocab_size: int) -> None:

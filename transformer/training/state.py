@@ -144,13 +144,19 @@ def start_run(
     sampler: TokenBudgetBatchSampler,
     corpus: Corpus,
     resume: Resume | None,
+    finetune: Resume | None = None,
 ) -> tuple[Run, nn.Module]:
-    """The model (every rank starts from the same weights) on the device with its kernels, its objective
-    as the device runs it (`distributed.wrap`), Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and the
-    schedule of Eq. (3); then, resuming, the checkpoint's state in all of them."""
+    """The model (every rank starts from the same weights: `finetune`'s where given) on the device with
+    its kernels, its objective as the device runs it (`distributed.wrap`), Adam with beta1 = 0.9,
+    beta2 = 0.98, eps = 1e-9 and the schedule of Eq. (3); then, resuming, the checkpoint's state in all
+    of them."""
     seed_everything(cfg.trainer.seed)
     kernels = runtime.kernels
-    model = kernels.apply(Transformer(cfg.model).to(runtime.device))
+    model = Transformer(cfg.model)
+    if finetune is not None:
+        model.load_state_dict(finetune.ckpt["model"])
+        log.info("fine-tuning %s: its weights, a new optimizer, schedule and step count", finetune.path)
+    model = kernels.apply(model.to(runtime.device))
     chunks = -(-cfg.trainer.max_tokens // CHUNK_ROWS)  # a batch's target tokens fit these chunks of the loss
     objective = Seq2SeqLoss(model, cfg.optim.label_smoothing, kernels.products, chunks)
     objective = wrap(objective, runtime, cfg.trainer.compile)
