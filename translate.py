@@ -6,6 +6,7 @@
   python translate.py checkpoint=... nbest=4 output_format=jsonl          # n-best lists with scores
   python translate.py checkpoint=... sampling=true nbest=2 topp=0.9 seed=1 output_format=jsonl  # samples
   python translate.py checkpoint=... input=src.de score=hyp.en output_format=jsonl  # score translations
+  python translate.py checkpoint=... alignment=true output_format=fairseq      # with word alignments
   python translate.py checkpoint=[a.pt,b.pt] weights=[0.5,0.5]             # an ensemble
 
 One output line (text) or entry per input line, always: bad lines get a warning on stderr, never a

@@ -1,7 +1,7 @@
 """The attention explorer (GET / of scripts/serve.py) in a real headless browser: Debian's Chromium driven
 by Playwright types a sentence, waits for the translation and the drawing, and the page is checked
 against the endpoint's own JSON (the hypotheses, the pieces and heads drawn, one head's weights, another
-layer fetched on demand); bad input shows a message, never a blank page.
+layer fetched on demand, the hard alignment's cells); bad input shows a message, never a blank page.
 
 The browser: `apt-get install chromium` (CI installs it; elsewhere the test skips without it)."""
 
@@ -121,6 +121,26 @@ def test_another_layer_kind_and_hypothesis_are_drawn_from_their_own_weights(page
     page.select_option("#style", "heatmap")
     cells = page.locator("rect.weight").count()
     assert cells == len(second["target_pieces"]) ** 2
+
+
+def test_the_hard_alignment_marks_each_rows_strongest_cell_on_the_cross_attention_heatmap(page, server):
+    translate_in_page(page, SENTENCE)
+    page.select_option("#style", "heatmap")  # the last layer's encoder-decoder attention, heads averaged
+    assert page.locator("rect.link").count() == 0  # marked when asked
+    page.check("#alignment")
+    status, answer = server.translate({"text": [SENTENCE], "nbest": 2, "beam_size": 4, "alignment": True})
+    links = answer["translations"][0]["hypotheses"][0]["piece_alignment"]  # [source piece, target piece]
+    marks = page.eval_on_selector_all("rect.link", "rs => rs.map(r => [+r.dataset.k, +r.dataset.q])")
+    assert status == 200 and marks and sorted(marks) == sorted(links)
+    cells = page.eval_on_selector_all(
+        "rect.weight", "rs => rs.map(r => [+r.dataset.q, +r.dataset.k, +r.dataset.w])"
+    )
+    shown = {(q, k): w for q, k, w in cells}
+    keys = max(k for _, k in shown)  # the last key is EOS, never linked
+    for k, q in marks:  # drawn in thousandths, so a tie may round either way
+        assert shown[q, k] >= max(shown[q, other] for other in range(keys)) - 1
+    page.select_option("#kind", "encoder_self")
+    assert page.locator("rect.link").count() == 0 and page.locator("#alignment").is_disabled()
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,32 @@ def test_a_sentence_too_long_is_cut_at_word_starts_into_parts_that_fit(translato
     assert translator.translate(line) == " ".join(translator.translate(texts))
 
 
+def test_a_split_lines_alignment_is_its_parts_moved_to_their_place_in_the_line(translator):
+    sentences = SENTENCES + SENTENCES[::-1]  # no part repeats its neighbour: a wrong offset shows
+    line, tokenizer = " ".join(sentences), translator.tokenizer
+    search = SearchConfig(**SHORT_ROOM, alignment=True)
+    whole, parts = translator.translate_nbest(line, search=search)[0], translator.translate(sentences)
+    # two of the parts translate to nothing: their sources still come before the next parts'
+    assert len(translator.encode([line])[0]) == 6 and parts.count("") == 2
+    assert whole.text == " ".join(filter(None, parts))
+    each = [hypotheses[0] for hypotheses in translator.translate_nbest(sentences, search=search)]
+    # the linked pieces, and words, as text: the whole line's against each sentence's alone
+    source = tokenizer.pieces(tokenizer.encode(line))
+    target = [piece for piece in whole.pieces if piece != "</s>"]
+    assert [(source[i], target[j]) for i, j in whole.alignment.pieces] == [
+        (tokenizer.pieces(tokenizer.encode(sentence))[i], part.pieces[j])
+        for sentence, part in zip(sentences, each)
+        for i, j in part.alignment.pieces
+    ]
+    assert [(line.split()[i], whole.text.split()[j]) for i, j in whole.alignment.words] == [
+        (sentence.split()[i], part.text.split()[j])
+        for sentence, part in zip(sentences, each)
+        for i, j in part.alignment.words
+    ]
+    assert whole.alignment.piece_counts == (len(source), len(target))
+    assert whole.alignment.word_counts == (len(line.split()), len(whole.text.split()))
+
+
 def test_truncate_keeps_the_first_pieces(translator, caplog):
     line = " ".join(SENTENCES * 2)
     truncate = SearchConfig(**SHORT_ROOM, long_inputs="truncate")

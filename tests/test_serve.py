@@ -193,6 +193,27 @@ def test_an_oversized_body_an_unknown_path_and_attention(server):
     assert server.translate({"text": LINES[0], "attention": True, "attention_layer": 7})[0] == 400
 
 
+def test_a_request_may_ask_for_each_hypothesis_alignment(server):
+    status, answer = server.translate({"text": LINES, "nbest": 2, "alignment": True})
+    expected = Translator.from_checkpoint(CHECKPOINT, device="cpu", nbest=2, alignment=True).translate_nbest(
+        LINES
+    )
+    assert status == 200
+    for got, hypotheses in zip(answer["translations"], expected):
+        assert [h["alignment"] for h in got["hypotheses"]] == [
+            [list(link) for link in h.alignment.words] for h in hypotheses
+        ]
+        assert [h["piece_alignment"] for h in got["hypotheses"]] == [
+            [list(link) for link in h.alignment.pieces] for h in hypotheses
+        ]
+    status, plain = server.translate({"text": LINES[0]})
+    assert status == 200 and "alignment" not in plain["translations"][0]["hypotheses"][0]
+    status, contract = server.request("GET", "/openapi.json")
+    schema = contract["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["properties"]["alignment"] == {"type": "boolean", "default": False}
+    assert server.translate({"text": LINES[0], "alignment": "yes"})[0] == 400
+
+
 def test_a_line_longer_than_the_model_takes_is_translated_in_parts(server):
     """With outputs of up to 20 x |X| + 50 the model takes 47 pieces: a line of four sentences (about 75)
     is translated sentence by sentence and joined, as translate.py does; its attention, of no one source,

@@ -5,18 +5,24 @@ The expected German strings below are written from German grammar, not copied fr
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 import pytest
 
 from transformer.data.toy import (
     NP,
     Clause,
     Sentence,
+    generate_alignments,
     generate_pairs,
     generate_splits,
     german_np,
+    gold_alignment,
     lemma,
     load_lexicon,
     render,
+    render_words,
 )
 
 
@@ -48,6 +54,17 @@ def one(clause: Clause) -> tuple[str, str]:
     return render(Sentence((clause,)))
 
 
+def dog_ran_into_the_garden() -> Clause:
+    """Yesterday the dog ran into the garden: a simple past, a motion verb's preposition."""
+    return Clause(
+        the("dog"),
+        verb("run", "none"),
+        "past",
+        pps=((prep("into"), the("garden")),),
+        adverb=lemma("adverbs", "yesterday"),
+    )
+
+
 # ---------------------------------------------------------------- corpus-level properties
 
 
@@ -73,6 +90,14 @@ def test_splits_have_the_sizes_and_share_no_english_sentence():
     assert not set(english["train"]) & set(english["valid"])
     assert not set(english["train"]) & set(english["test"])
     assert not set(english["valid"]) & set(english["test"])
+
+
+def test_the_demos_test_split_is_the_same_text_byte_for_byte():
+    # the demo's data (data/toy) and its BLEU were made from exactly these 1,000 pairs
+    text = "".join(f"{en}\t{de}\n" for en, de in generate_splits(50000, 1000, 1000, seed=1234)["test"])
+    assert hashlib.sha256(text.encode()).hexdigest() == (
+        "864bd2b6d70db224943122b1d28a5ecb430bd00ce938d95b533fa5a747374a22"
+    )
 
 
 def test_test_split_does_not_depend_on_the_training_size():
@@ -191,13 +216,7 @@ def test_perfect_puts_the_participle_last_with_haben_or_sein():
         "The dogs have seen the cats.",
         "Die Hunde haben die Katzen gesehen.",
     )
-    ran = Clause(
-        the("dog"),
-        verb("run", "none"),
-        "past",
-        pps=((prep("into"), the("garden")),),
-        adverb=lemma("adverbs", "yesterday"),
-    )
+    ran = dog_ran_into_the_garden()
     assert one(ran) == (
         "Yesterday the dog ran into the garden.",
         "Gestern ist der Hund in den Garten gelaufen.",
@@ -276,3 +295,68 @@ def test_coordination_keeps_verb_second_in_each_clause():
 
 def test_know_a_thing_and_know_a_fact_translate_differently():
     assert one(Clause(the("man"), verb("know", "acc"), obj=the("woman")))[1] == "Der Mann kennt die Frau."
+
+
+# ---------------------------------------------------------------- gold word alignments
+
+
+def aligned(sentence: Sentence) -> str:
+    return gold_alignment(*render_words(sentence))
+
+
+def test_gold_links_of_hand_picked_sentences():
+    """English word i - German word j, "p" for possible; written from the sentences, not the code."""
+    today = Clause(the("dog"), verb("see"), obj=the("cat"), adverb=lemma("adverbs", "today"))
+    # Today the dog sees the cat. / Heute sieht der Hund die Katze.
+    assert aligned(Sentence((today,))) == "0-0 3-1 1-2 2-3 4-4 5-5"
+    ran = dog_ran_into_the_garden()
+    # Yesterday the dog ran into the garden. / Gestern ist der Hund in den Garten gelaufen.
+    assert aligned(Sentence((ran,))) == "0-0 3p1 1-2 2-3 4-4 5-5 6-6 3-7"
+    sleeps = Clause(
+        the("man"), verb("sleep", "none"), pps=((prep("with"), the("dog")), (prep("in"), the("house")))
+    )
+    # The man sleeps with the dog in the house. / Der Mann schläft mit dem Hund im Haus.
+    assert aligned(Sentence((sleeps,))) == "0-0 1-1 2-2 3-3 4-4 5-5 6-6 7p6 8-7"
+    seen = Clause(the("dog"), verb("see"), "perfect", obj=the("cat"))
+    because = Sentence(
+        (Clause(the("man"), verb("sleep", "none")),), subordinate=(lemma("conjunctions", "because"), seen)
+    )
+    # The man sleeps, because the dog has seen the cat. /
+    # Der Mann schläft, weil der Hund die Katze gesehen hat.
+    assert aligned(because) == "0-0 1-1 2-2 3-3 4-4 5-5 8-6 9-7 6p8 7-8 6-9 7p9"
+    front = Clause(the("dog"), verb("sleep", "none"), pps=((prep("in front of"), the("house")),))
+    # The dog sleeps in front of the house. / Der Hund schläft vor dem Haus.
+    assert aligned(Sentence((front,))) == "0-0 1-1 2-2 3-3 4-3 5-3 6-4 7-5"
+    sings = Clause(the("cat"), verb("sing", "none"), "perfect")
+    fronted = Sentence(
+        (sings,),
+        subordinate=(lemma("conjunctions", "although"), Clause(the("dog"), verb("sleep", "none"))),
+        fronted=True,
+    )
+    # Although the dog sleeps, the cat has sung. / Obwohl der Hund schläft, hat die Katze gesungen.
+    assert aligned(fronted) == "0-0 1-1 2-2 3-3 6-4 7p4 4-5 5-6 6p7 7-7"
+
+
+def links(line: str) -> list[tuple[int, str, int]]:
+    """(English word, "-" sure or "p" possible, German word) of a gold line."""
+    return [(int(i), mark, int(j)) for i, mark, j in re.findall(r"(\d+)([-p])(\d+)", line)]
+
+
+def test_gold_links_cover_every_word_and_nouns_point_at_their_english_noun():
+    pairs, gold = generate_pairs(500, seed=5), generate_alignments(500, seed=5)
+    english_of = {}  # a German noun form -> the English forms of its noun
+    for noun in load_lexicon()["nouns"]:
+        for form in (noun["de"], noun["de_pl"], noun["de_pl"] + "n"):
+            english_of.setdefault(form, set()).update((noun["en"], noun["en_pl"]))
+    nouns = 0
+    for (en, de), line in zip(pairs, gold):
+        english, german = en.split(), [word.strip(".,") for word in de.split()]
+        found = links(line)
+        assert len(found) == len(line.split()), line
+        assert {i for i, _, _ in found} == set(range(len(english))), (en, de, line)
+        assert {j for _, _, j in found} == set(range(len(german))), (en, de, line)
+        for j in (j for j, word in enumerate(german) if word in english_of):
+            sure = {english[i].strip(".,").lower() for i, mark, k in found if k == j and mark == "-"}
+            assert sure and sure <= english_of[german[j]], (en, de, line, german[j])
+            nouns += 1
+    assert nouns > 1000

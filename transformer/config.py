@@ -297,6 +297,9 @@ class SearchConfig(Settings):
     # a line longer than the model takes: "split" at sentence ends (an overlong sentence into parts),
     # translated in parts and joined | "truncate": its first pieces only
     long_inputs: str = "split"
+    # each hypothesis's hard alignment to its source, pieces and words, from the last decoder layer's
+    # encoder-decoder attention (inference/alignment.py); a translation's text stays the same
+    alignment: bool = False
 
     def check(self) -> None:
         self.require(1 <= self.beam_size <= MAX_BEAM, "beam_size", f"must be in 1..{MAX_BEAM}")
@@ -507,6 +510,8 @@ class FinishConfig(SearchConfig, DecodingPrecision):
     def check(self) -> None:
         self.require(self.average_last >= 0, "average_last", "must be >= 0 (0 = skip)")
         self.require_choice("evaluate_split", ("valid", "test", None))
+        if self.alignment:
+            raise ConfigError(f"{self.PREFIX}alignment=true: the finish stage writes no alignments")
         super().check()
 
 
@@ -619,6 +624,11 @@ class TranslateConfig(DecodeConfig):
             )
         if self.score is not None and self.sampling:
             raise ConfigError("score=FILE scores the translations given: not with sampling=true")
+        if self.alignment and self.output_format == "text":
+            raise ConfigError(
+                "alignment=true writes each translation's alignment: choose output_format=jsonl or "
+                "output_format=fairseq"
+            )
         self.require(self.buffer_size is None or self.buffer_size >= 1, "buffer_size", "must be at least 1")
 
 
@@ -679,6 +689,8 @@ class EvaluateConfig(DecodeConfig):
     def check(self) -> None:
         super().check()
         self.require_choice("split", ROLES)
+        if self.alignment:
+            raise ConfigError("alignment=true: evaluate.py writes no alignments; translate.py does")
 
 
 @dataclass

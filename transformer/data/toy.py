@@ -13,16 +13,19 @@ translation need attention rather than a word-by-word lookup:
 English simple past and present perfect both become the German Perfekt, as in spoken German.
 The German side is a deterministic function of the English side (no synonyms, no free word order),
 so a small model can learn it almost perfectly. The words live in ``toy_lexicon.json`` beside this file.
+The generator knows which English word each German word renders: ``generate_alignments`` gives each
+pair's gold word alignment, sure and possible links, to score a model's alignments against.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 Entry = dict[str, Any]  # one lexicon entry, e.g. {"en": "dog", "de": "Hund", "gender": "m", ...}
 
@@ -107,95 +110,183 @@ class Sentence:
     fronted: bool = False  # the subordinate clause comes first, so the main verb precedes its subject
 
 
-def english_np(np: NP) -> str:
-    words = [adjective["en"] for adjective in np.adjectives] + [np.noun["en_pl" if np.plural else "en"]]
+Key = tuple[Any, ...]  # where a word comes from in a sentence's structure: ("clause", 0, "subject", "noun")
+
+
+class Word(NamedTuple):
+    """One word of a rendered sentence and what it renders: an English word its one key (`sure`); a
+    German word the keys it renders (`sure`) and those it only shares in (`possible`): "im" renders
+    "in" and shares in "the", the Perfekt's auxiliary shares in its participle's verb and back."""
+
+    text: str
+    sure: tuple[Key, ...] = ()
+    possible: tuple[Key, ...] = ()
+
+
+def at(key: Key, *part: Any) -> tuple[Key]:
+    """The one key of a word at `part` of the structure `key` names."""
+    return (key + part,)
+
+
+def text_of(words: list[Word]) -> str:
+    return " ".join(word.text for word in words)
+
+
+def punctuated(words: list[Word], mark: str) -> list[Word]:
+    """The words with `mark` (",", ".") attached to the last, as the text writes it."""
+    return [*words[:-1], words[-1]._replace(text=words[-1].text + mark)]
+
+
+def english_np_words(np: NP, key: Key = ()) -> list[Word]:
+    words = [Word(a["en"], at(key, "adjective", i)) for i, a in enumerate(np.adjectives)]
+    words.append(Word(np.noun["en_pl" if np.plural else "en"], at(key, "noun")))
     if np.definite:
-        return " ".join(["the", *words])
+        return [Word("the", at(key, "article")), *words]
     if np.plural:
-        return " ".join(words)
-    return " ".join(["an" if words[0][0] in "aeiou" else "a", *words])
+        return words
+    return [Word("an" if words[0].text[0] in "aeiou" else "a", at(key, "article")), *words]
+
+
+def german_np_words(np: NP, case: str, key: Key = ()) -> list[Word]:
+    """Article, adjectives and noun in ``case`` ("nom", "acc" or "dat")."""
+    number = "pl" if np.plural else np.noun["gender"]
+    article = (DEFINITE if np.definite else INDEFINITE)[case][number]
+    ending = (WEAK_ENDINGS if np.definite else MIXED_ENDINGS)[case][number]
+    # a stem ending in -e absorbs the ending's e: müde + en -> müden
+    words = [Word(article, at(key, "article"))] if article else []
+    for i, a in enumerate(np.adjectives):
+        words.append(
+            Word(a["de"] + (ending[1:] if a["de"].endswith("e") else ending), at(key, "adjective", i))
+        )
+    noun = np.noun["de_pl" if np.plural else "de"]
+    if np.plural and case == "dat" and not noun.endswith(("n", "s")):
+        noun += "n"  # dative plural: den Hunden, but den Katzen, den Autos
+    return [*words, Word(noun, at(key, "noun"))]
 
 
 def german_np(np: NP, case: str) -> str:
     """Article, adjectives and noun in ``case`` ("nom", "acc" or "dat")."""
-    key = "pl" if np.plural else np.noun["gender"]
-    article = (DEFINITE if np.definite else INDEFINITE)[case][key]
-    ending = (WEAK_ENDINGS if np.definite else MIXED_ENDINGS)[case][key]
-    # a stem ending in -e absorbs the ending's e: müde + en -> müden
-    adjectives = [a["de"] + (ending[1:] if a["de"].endswith("e") else ending) for a in np.adjectives]
-    noun = np.noun["de_pl" if np.plural else "de"]
-    if np.plural and case == "dat" and not noun.endswith(("n", "s")):
-        noun += "n"  # dative plural: den Hunden, but den Katzen, den Autos
-    return " ".join(word for word in [article, *adjectives, noun] if word)
+    return text_of(german_np_words(np, case))
 
 
-def german_pp(preposition: Entry, np: NP) -> str:
-    """Preposition plus noun phrase in the case it governs, contracted where German must: im, zum, ..."""
-    phrase = german_np(np, preposition["case"])
-    article, _, rest = phrase.partition(" ")
-    contracted = CONTRACTIONS.get(f"{preposition['de']} {article}")
-    return f"{contracted} {rest}" if contracted else f"{preposition['de']} {phrase}"
+def german_pp_words(preposition: Entry, np: NP, key: Key = ()) -> list[Word]:
+    """Preposition plus noun phrase in the case it governs, contracted where German must: im, zum, ...;
+    a contraction renders the preposition and shares in the article."""
+    first, *rest = german_np_words(np, preposition["case"], key + ("np",))
+    contracted = CONTRACTIONS.get(f"{preposition['de']} {first.text}")
+    if contracted:
+        return [Word(contracted, at(key, "preposition"), first.sure), *rest]
+    return [Word(preposition["de"], at(key, "preposition")), first, *rest]
 
 
-def english_clause(clause: Clause) -> str:
+def english_pp_words(preposition: Entry, np: NP, key: Key = ()) -> list[Word]:
+    """A preposition of one or more words ("in front of") plus its noun phrase."""
+    words = [Word(part, at(key, "preposition")) for part in preposition["en"].split()]
+    return words + english_np_words(np, key + ("np",))
+
+
+def english_clause_words(clause: Clause, key: Key = ()) -> list[Word]:
     verb, plural = clause.verb, clause.subject.plural
     if clause.tense == "present":
-        verb_phrase = verb["en" if plural else "en_3sg"]
+        verb_phrase = [Word(verb["en" if plural else "en_3sg"], at(key, "verb"))]
     elif clause.tense == "past":
-        verb_phrase = verb["en_past"]
+        verb_phrase = [Word(verb["en_past"], at(key, "verb"))]
     else:
-        verb_phrase = f"{'have' if plural else 'has'} {verb['en_pp']}"
-    words = [clause.adverb["en"]] if clause.adverb else []
-    words += [english_np(clause.subject), verb_phrase]
-    words += [english_np(clause.obj)] if clause.obj else []
-    words += [f"{preposition['en']} {english_np(np)}" for preposition, np in clause.pps]
+        auxiliary = Word("have" if plural else "has", at(key, "auxiliary"))
+        verb_phrase = [auxiliary, Word(verb["en_pp"], at(key, "verb"))]
+    words = [Word(clause.adverb["en"], at(key, "adverb"))] if clause.adverb else []
+    words += [*english_np_words(clause.subject, key + ("subject",)), *verb_phrase]
+    words += english_np_words(clause.obj, key + ("object",)) if clause.obj else []
+    for i, (preposition, np) in enumerate(clause.pps):
+        words += english_pp_words(preposition, np, key + ("pp", i))
     if clause.complement:
-        words += [lemma("conjunctions", "that")["en"], english_clause(clause.complement)]
-    return " ".join(words)
+        words.append(Word(lemma("conjunctions", "that")["en"], at(key, "that")))
+        words += english_clause_words(clause.complement, key + ("complement",))
+    return words
 
 
-def german_clause(clause: Clause, order: str) -> str:
+def german_clause_words(clause: Clause, order: str, key: Key = ()) -> list[Word]:
     """The clause in ``order``: "main" (verb second), "inverted" (verb first, the slot before it
     being taken by a fronted subordinate clause) or "sub" (verb last, after a conjunction)."""
     verb, plural = clause.verb, clause.subject.plural
     if clause.tense == "present":
-        finite, participle = verb["de_3pl" if plural else "de_3sg"], ""
-    else:  # Perfekt: the auxiliary takes the finite slot, the participle closes the clause
-        finite, participle = AUXILIARIES[verb["aux"]][plural], verb["de_pp"]
-    subject = german_np(clause.subject, "nom")
-    middle = [german_np(clause.obj, verb["frame"])] if clause.obj else []
-    middle += [german_pp(preposition, np) for preposition, np in clause.pps]
+        finite, participle = [Word(verb["de_3pl" if plural else "de_3sg"], at(key, "verb"))], []
+    else:  # Perfekt: the auxiliary takes the finite slot, the participle closes the clause; each
+        # shares in the other's English word (a simple past's one word is rendered by both)
+        finite = [Word(AUXILIARIES[verb["aux"]][plural], at(key, "auxiliary"), at(key, "verb"))]
+        participle = [Word(verb["de_pp"], at(key, "verb"), at(key, "auxiliary"))]
+    subject = german_np_words(clause.subject, "nom", key + ("subject",))
+    middle = german_np_words(clause.obj, verb["frame"], key + ("object",)) if clause.obj else []
+    for i, (preposition, np) in enumerate(clause.pps):
+        middle += german_pp_words(preposition, np, key + ("pp", i))
     if order == "sub":
-        words = [subject, *middle, participle, finite]
+        words = [*subject, *middle, *participle, *finite]
     elif order == "inverted":
-        words = [finite, subject, *middle, participle]
+        words = [*finite, *subject, *middle, *participle]
     elif clause.adverb:
-        words = [clause.adverb["de"], finite, subject, *middle, participle]
+        words = [Word(clause.adverb["de"], at(key, "adverb")), *finite, *subject, *middle, *participle]
     else:
-        words = [subject, finite, *middle, participle]
-    text = " ".join(word for word in words if word)
+        words = [*subject, *finite, *middle, *participle]
     if clause.complement:  # extraposed after the participle: "hat gesagt, dass ..."
-        text += f", {lemma('conjunctions', 'that')['de']} {german_clause(clause.complement, 'sub')}"
-    return text
+        that = Word(lemma("conjunctions", "that")["de"], at(key, "that"))
+        words = [
+            *punctuated(words, ","),
+            that,
+            *german_clause_words(clause.complement, "sub", key + ("complement",)),
+        ]
+    return words
+
+
+def render_words(sentence: Sentence) -> tuple[list[Word], list[Word]]:
+    """The (English, German) words, capitalised and with a final period."""
+    first = sentence.clauses[0]
+    en = english_clause_words(first, ("clause", 0))
+    de = german_clause_words(first, "inverted" if sentence.fronted else "main", ("clause", 0))
+    for i, (link, clause) in enumerate(zip(sentence.links, sentence.clauses[1:], strict=True), start=1):
+        if link["comma"]:
+            en, de = punctuated(en, ","), punctuated(de, ",")
+        en += [Word(link["en"], (("link", i),)), *english_clause_words(clause, ("clause", i))]
+        de += [Word(link["de"], (("link", i),)), *german_clause_words(clause, "main", ("clause", i))]
+    if sentence.subordinate:
+        conjunction, clause = sentence.subordinate
+        en_sub = [
+            Word(conjunction["en"], (("conjunction",),)),
+            *english_clause_words(clause, ("subordinate",)),
+        ]
+        de_sub = [
+            Word(conjunction["de"], (("conjunction",),)),
+            *german_clause_words(clause, "sub", ("subordinate",)),
+        ]
+        if sentence.fronted:
+            en, de = punctuated(en_sub, ",") + en, punctuated(de_sub, ",") + de
+        else:
+            en, de = punctuated(en, ",") + en_sub, punctuated(de, ",") + de_sub
+    return _capitalised(punctuated(en, ".")), _capitalised(punctuated(de, "."))
+
+
+def _capitalised(words: list[Word]) -> list[Word]:
+    first = words[0]
+    return [first._replace(text=first.text[0].upper() + first.text[1:]), *words[1:]]
 
 
 def render(sentence: Sentence) -> tuple[str, str]:
     """The (English, German) pair, capitalised and with a final period."""
-    first = sentence.clauses[0]
-    en, de = english_clause(first), german_clause(first, "inverted" if sentence.fronted else "main")
-    for link, clause in zip(sentence.links, sentence.clauses[1:], strict=True):
-        comma = "," if link["comma"] else ""
-        en += f"{comma} {link['en']} {english_clause(clause)}"
-        de += f"{comma} {link['de']} {german_clause(clause, 'main')}"
-    if sentence.subordinate:
-        conjunction, clause = sentence.subordinate
-        en_sub = f"{conjunction['en']} {english_clause(clause)}"
-        de_sub = f"{conjunction['de']} {german_clause(clause, 'sub')}"
-        if sentence.fronted:
-            en, de = f"{en_sub}, {en}", f"{de_sub}, {de}"
-        else:
-            en, de = f"{en}, {en_sub}", f"{de}, {de_sub}"
-    return en[0].upper() + en[1:] + ".", de[0].upper() + de[1:] + "."
+    en, de = render_words(sentence)
+    return text_of(en), text_of(de)
+
+
+def gold_alignment(en: list[Word], de: list[Word]) -> str:
+    """The word alignment of a rendered pair, "i-j" (English word i, German word j, from 0) for a sure
+    link and "ipj" for a possible one, German word by German word: each German word links every English
+    word whose key it renders (sure) or shares in (possible)."""
+    links = []
+    for j, word in enumerate(de):
+        for i, english in enumerate(en):
+            if english.sure[0] in word.sure:
+                links.append(f"{i}-{j}")
+            elif english.sure[0] in word.possible:
+                links.append(f"{i}p{j}")
+    return " ".join(links)
 
 
 @dataclass(frozen=True)
@@ -274,19 +365,29 @@ def _random_sentence(rng: random.Random, pools: _Pools) -> Sentence:
     return Sentence(tuple(clauses), links, subordinate)
 
 
-def generate_pairs(n: int, seed: int) -> list[tuple[str, str]]:
-    """``n`` distinct (English, German) pairs of 3-40 words, the same for the same ``seed``."""
+def _rendered(n: int, seed: int) -> Iterator[tuple[list[Word], list[Word]]]:
+    """``n`` distinct (English, German) sentences of 3-40 words as words, the same for the same ``seed``."""
     if n < 0:
         raise ValueError(f"cannot generate {n} sentence pairs: the count must be 0 or more")
     rng, pools = random.Random(seed), _pools()
-    pairs: list[tuple[str, str]] = []
     seen: set[str] = set()
-    while len(pairs) < n:
-        en, de = render(_random_sentence(rng, pools))
-        if en not in seen and MIN_WORDS <= len(en.split()) <= MAX_WORDS and len(de.split()) <= MAX_WORDS:
-            seen.add(en)
-            pairs.append((en, de))
-    return pairs
+    while len(seen) < n:
+        en, de = render_words(_random_sentence(rng, pools))
+        text = text_of(en)
+        if text not in seen and MIN_WORDS <= len(en) <= MAX_WORDS and len(de) <= MAX_WORDS:
+            seen.add(text)
+            yield en, de
+
+
+def generate_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """``n`` distinct (English, German) pairs of 3-40 words, the same for the same ``seed``."""
+    return [(text_of(en), text_of(de)) for en, de in _rendered(n, seed)]
+
+
+def generate_alignments(n: int, seed: int) -> list[str]:
+    """The gold word alignment (`gold_alignment`) of each pair of ``generate_pairs(n, seed)``; the
+    test split is drawn first, so ``generate_alignments(n_test, seed)`` is the test split's."""
+    return [gold_alignment(en, de) for en, de in _rendered(n, seed)]
 
 
 def generate_splits(n_train: int, n_valid: int, n_test: int, seed: int) -> dict[str, list[tuple[str, str]]]:

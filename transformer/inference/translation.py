@@ -34,6 +34,7 @@ from transformer.decoding import (
     search_weights,
 )
 from transformer.decoding.scoring import Linear, project
+from transformer.inference.alignment import Alignment, cross_attention, from_links, hard_links, joined
 from transformer.kernels import Kernels
 from transformer.kernels.timing import KEYS, decoding_kernels
 from transformer.model import Transformer
@@ -48,13 +49,14 @@ class Translation:
     """One output for one input line: its text; its score, log P(Y|X) / lp(Y) as the search ranks it
     (GNMT length penalty with the decoding's alpha; a beam of 1 and sampling without: log P(Y|X));
     log P(Y|X) itself (natural log, EOS included); its pieces, "</s>" last where it ended in EOS; and
-    each piece's log-probability."""
+    each piece's log-probability; with `alignment=true`, its hard alignment to the source."""
 
     text: str
     score: float
     log_prob: float
     pieces: list[str]
     token_log_probs: list[float]
+    alignment: Alignment | None = None
 
 
 class Translator:
@@ -245,6 +247,7 @@ class Translator:
         """One output line per input line, the best (line breaks inside a translation become spaces);
         for one line given as a string, its translation."""
         one, lines = _lines(lines)
+        search = dataclasses.replace(search or self.cfg.search, alignment=False)  # text alone: none needed
         nbest = self.nbest_of(self.encode(lines, search), progress, search=search)
         translations = [hypotheses[0].text if hypotheses else "" for hypotheses in nbest]
         return translations[0] if one else translations
@@ -272,25 +275,53 @@ class Translator:
     ) -> list[list[Translation]]:
         """`translate_nbest` of lines encoded already (`encode`'s sources). A line in parts: its i-th
         hypothesis joins its parts' i-th, their scores, log-probabilities and pieces (each "</s>" too)
-        added up."""
+        added up, and their alignments (`joined`)."""
+        search = search or self.cfg.search
         numbers = [first + i for i in range(len(sources))] if isinstance(first, int) else first
         # each part draws its own samples: the first the line's number, the others apart from every line's
         keys = [
             n if j == 0 else -((n << 20) + j) for n, parts in zip(numbers, sources) for j in range(len(parts))
         ]
-        found = iter(self.search_all([part for parts in sources for part in parts], progress, keys, search))
+        flat = [part for parts in sources for part in parts]
+        found = [
+            [h for h in hypotheses if h.token_log_probs]
+            for hypotheses in self.search_all(flat, progress, keys, search)
+        ]
+        pairs = [(src, h.tokens) for src, hypotheses in zip(flat, found) for h in hypotheses]
+        aligned = iter(self.align(pairs) if search.alignment else [None] * len(pairs))
+        translated = iter([[self._translation(h, next(aligned)) for h in hypotheses] for hypotheses in found])
         nbest = []
         for parts in sources:
-            each = [[self._translation(h) for h in next(found) if h.token_log_probs] for _ in parts]
+            each = [next(translated) for _ in parts]
             nbest.append(each[0] if len(each) == 1 else [_joined(h) for h in zip(*each)])
         return nbest
+
+    def align(self, pairs: list[tuple[list[int], list[int]]]) -> list[Alignment]:
+        """The hard alignment (inference/alignment.py) of each (source pieces + [EOS], output pieces) pair,
+        by a teacher-forced pass over batches of them: the model is deterministic, so the attention is the
+        search's own."""
+        links: list[list[int]] = [[] for _ in pairs]  # per pair, the source piece of each output piece
+        todo = [i for i, (_, tokens) in enumerate(pairs) if tokens]
+        lengths = [max(len(src), len(tokens)) for src, tokens in pairs]
+        weights = self.cfg.weights or [1.0] * len(self.models)
+        with torch.inference_mode(), self.packed():
+            for batch in _batches(sorted(todo, key=lambda i: -lengths[i]), lengths, self.cfg.max_tokens, 256):
+                src = padded([pairs[i][0] for i in batch]).to(self.device)  # (B, S)
+                # the queries of target pieces y_1..y_n: [BOS] + y_<n
+                tgt_in = padded([[BOS_ID] + pairs[i][1][:-1] for i in batch]).to(self.device)  # (B, T)
+                found = hard_links(cross_attention(self.models, weights, src, tgt_in), src).tolist()  # (B, T)
+                for row, i in enumerate(batch):
+                    links[i] = found[row][: len(pairs[i][1])]
+        pieces = self.tokenizer.pieces
+        return [from_links(chosen, pieces(src[:-1]), pieces(out)) for chosen, (src, out) in zip(links, pairs)]
 
     def score(
         self, lines: list[str] | str, translations: list[str] | str, search: SearchConfig | None = None
     ) -> list[Translation | None] | Translation | None:
         """Given translations scored by teacher forcing (fairseq's --score-reference): per line the
         log-probability of each of its pieces and EOS, under the model (an ensemble's mixture), and the
-        score the search (its length penalty) would rank it by; None for an empty line."""
+        score the search (its length penalty) would rank it by, and with `alignment=true` its alignment
+        (a forced alignment); None for an empty line."""
         one, lines = _lines(lines)
         translations = [translations] if isinstance(translations, str) else translations
         if len(lines) != len(translations):
@@ -312,17 +343,19 @@ class Translator:
                 for row, i in enumerate(batch):
                     token_log_probs = log_probs[row, : len(targets[i])].tolist()
                     score = sum(token_log_probs) / length_penalty(len(targets[i]), search.ranking_alpha)
-                    hypothesis = Hypothesis(targets[i][:-1], score, token_log_probs)
-                    scored[i] = self._translation(hypothesis)
+                    scored[i] = self._translation(Hypothesis(targets[i][:-1], score, token_log_probs))
+        if search.alignment:
+            for i, found in zip(todo, self.align([(sources[i], targets[i][:-1]) for i in todo])):
+                scored[i].alignment = found
         return scored[0] if one else scored
 
     def text(self, ids: list[int]) -> str:
         """Piece ids as one line of text."""
         return " ".join(self.tokenizer.decode(ids).splitlines()) if ids else ""
 
-    def _translation(self, h: Hypothesis) -> Translation:
+    def _translation(self, h: Hypothesis, alignment: Alignment | None = None) -> Translation:
         pieces = self.tokenizer.pieces(h.tokens) + ["</s>"] * (len(h.token_log_probs) - len(h.tokens))
-        return Translation(self.text(h.tokens), h.score, h.log_prob, pieces, h.token_log_probs)
+        return Translation(self.text(h.tokens), h.score, h.log_prob, pieces, h.token_log_probs, alignment)
 
 
 def _joined(parts: tuple[Translation, ...]) -> Translation:
@@ -333,6 +366,7 @@ def _joined(parts: tuple[Translation, ...]) -> Translation:
         sum(t.log_prob for t in parts),
         [piece for t in parts for piece in t.pieces],
         [p for t in parts for p in t.token_log_probs],
+        None if parts[0].alignment is None else joined([t.alignment for t in parts]),
     )
 
 

@@ -11,25 +11,21 @@ import dataclasses
 import io
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from matplotlib.figure import Figure
-from torch import Tensor, nn
 
-from transformer.attention import MultiHeadAttention, reference_attention
 from transformer.config import ConfigError, VisualizeConfig
 from transformer.data.tokenizer import Tokenizer
+from transformer.inference.recording import AttentionRecord, recording
 from transformer.inference.translation import Translator
-from transformer.kernels.replace import replaced, shallow_copy
 from transformer.model import Transformer
 from transformer.utils import atomic
 from transformer.vocab import BOS_ID
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=nn.Module)
 
 # Pieces per side of a heatmap: past this the labels cannot be read, and the image (its panels grow
 # with the pieces) takes gigabytes.
@@ -40,45 +36,6 @@ KINDS = {  # kind -> (title, query side, key side)
     "decoder_self": ("decoder masked self-attention", "target", "target"),
     "cross": ("encoder-decoder attention", "target", "source"),
 }
-
-
-@dataclass
-class AttentionRecord:
-    """The weights of one attention call, (B, H, T_q, T_k)."""
-
-    kind: str  # "encoder_self" | "decoder_self" | "cross"
-    layer: int
-    weights: Tensor
-
-
-class _Recording(MultiHeadAttention):
-    """`MultiHeadAttention` through `reference_attention`, keeping its weights in `records`."""
-
-    kind: str
-    layer: int
-    records: list[AttentionRecord]
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        out, weights = reference_attention(q, k, v, mask, causal, self.dropout if self.training else 0.0)
-        self.records.append(AttentionRecord(self.kind, self.layer, weights.detach()))
-        return out
-
-
-def recording(model: M) -> tuple[M, list[AttentionRecord]]:
-    """A copy of `model` (the same parameters; the model itself untouched) whose every attention takes
-    the written-out path and appends its weights to the list returned with it."""
-    records: list[AttentionRecord] = []
-    names = {module: name for name, module in model.named_modules()}
-
-    def replace(module: nn.Module) -> nn.Module | None:
-        if not isinstance(module, MultiHeadAttention):
-            return None
-        parts = names[module].split(".")  # e.g. "decoder.3.cross_attn"
-        layer = int(parts[-2]) if len(parts) > 1 and parts[-2].isdigit() else 0
-        kind = "cross" if module.cross else "decoder_self" if module.causal else "encoder_self"
-        return shallow_copy(module, _Recording, kind=kind, layer=layer, records=records)
-
-    return replaced(model, replace), records
 
 
 @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Module replacement from outside the model: a copy of a module tree in which some modules are
-replaced by others (kernels/, the attention recording of visualize.py), sharing every parameter and
-buffer under the same names, so state_dict keys and values stay as they are and the original tree is
-left untouched."""
+replaced by others (kernels/, inference/recording.py's attention recording), sharing every parameter
+and buffer under the same names, so state_dict keys and values stay as they are and the original tree
+is left untouched."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ SETTINGS = [f.name for f in dataclasses.fields(SearchConfig)]
 JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
 STRING, NUMBER, INTEGER, BOOLEAN = ({"type": kind} for kind in ("string", "number", "integer", "boolean"))
 OPTIONAL_INTEGER = {"type": "integer", "nullable": True, "default": None}
+LINK = {"type": "array", "items": INTEGER, "minItems": 2, "maxItems": 2}  # [source index, target index]
 
 
 class BadRequest(Exception):
@@ -124,6 +125,8 @@ def openapi(cfg: ServeConfig) -> dict[str, Any]:
         pieces=_array(STRING),
         token_log_probs=_array(NUMBER),
         attention={"type": "object"},
+        alignment=_array(LINK),
+        piece_alignment=_array(LINK),
     )
     translation = _object(["source", "hypotheses"], source=STRING, hypotheses=_array(hypothesis))
     answer = _object(

@@ -4,7 +4,7 @@ one model worker that batches requests fairly (batching.py); the contract is api
     POST /translate     {"text": "..." or [...], any field of SearchConfig, "attention", "attention_layer"}
                         -> {"id", "batch", "queued_ms", "run_ms", "translations": [{"source",
                             "hypotheses": [{"text", "score", "log_prob", "pieces", "token_log_probs",
-                            "attention"?}]}]}
+                            "attention"?, "alignment"?, "piece_alignment"?}]}]}
     GET  /health        {"status": "ok" | "draining", "step", "requests", "batches", "queue"}
     GET  /metrics       Prometheus text: requests by path and status, latency, batch sizes, queue depth
     GET  /openapi.json  the contract

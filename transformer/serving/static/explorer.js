@@ -2,6 +2,8 @@
 // ({"attention": true, "attention_layer": n}), and draws the weights of the hypothesis chosen: query
 // pieces on the left, key pieces on the right, a line per (query, key) whose opacity is the weight
 // (one colour per head when all heads are overlaid), or a heatmap. Hovering a piece keeps only its lines.
+// The hard alignment (alignment=true) marks on the encoder-decoder heatmap the cell of each target piece
+// and the source piece it links: the row of the query that output it, the column of that source piece.
 
 const HEAD_COLOURS = ["#1b6ec2", "#d1495b", "#2a9d8f", "#e9a03b", "#6a4c93", "#8a5a44", "#3d9970", "#ff6f91",
   "#0081a7", "#9c6644", "#5e548e", "#f07167", "#4d908e", "#c9184a", "#577590", "#f3722c"];
@@ -10,6 +12,7 @@ const SIDES = {  // kind -> [query side, key side]
   decoder_self: ["target", "target"],
   cross: ["target", "source"],
 };
+const HEATMAP = {cell: 18, left: 150, top: 110};  // a cell's size and the room for the labels, in pixels
 const $ = (id) => document.getElementById(id);
 const state = {request: null, answer: null, layers: {}, hypothesis: 0, nLayers: 0};
 
@@ -32,7 +35,7 @@ async function translate(event) {
   const nbest = Number($("nbest").value);
   // one source, whose attention is drawn: a text longer than the model takes is truncated, not split
   const lines = [text.split(/\r?\n/).join(" ")];
-  state.request = {text: lines, nbest, beam_size: Math.max(4, nbest), long_inputs: "truncate"};
+  state.request = {text: lines, nbest, beam_size: Math.max(4, nbest), long_inputs: "truncate", alignment: true};
   state.layers = {};
   show("Translating...");
   try {
@@ -106,8 +109,11 @@ function render() {
     return span;
   }));
   const titles = [`${querySide} (queries)`, `${keySide} (keys)`];
-  if ($("style").value === "heatmap") drawHeatmap(queries, keys, weights, heads);
+  const heatmap = $("style").value === "heatmap";
+  $("alignment").disabled = !(heatmap && kind === "cross");
+  if (heatmap) drawHeatmap(queries, keys, weights, heads);
   else drawLines(queries, keys, weights, heads, titles);
+  if (heatmap && kind === "cross" && $("alignment").checked) markAlignment(hypothesis, queries, keys);
 }
 
 function svgElement(name, attributes, text) {
@@ -147,7 +153,7 @@ function drawLines(queries, keys, weights, heads, titles) {
 }
 
 function drawHeatmap(queries, keys, weights, heads) {
-  const cell = 18, left = 150, top = 110;
+  const {cell, left, top} = HEATMAP;
   const svg = $("drawing");
   svg.setAttribute("width", left + cell * keys.length + 10);
   svg.setAttribute("height", top + cell * queries.length + 10);
@@ -167,6 +173,17 @@ function drawHeatmap(queries, keys, weights, heads) {
   });
 }
 
+function markAlignment(hypothesis, queries, keys) {
+  // target piece j is the output of query j (whose input is the piece before it)
+  const {cell, left, top} = HEATMAP, svg = $("drawing");
+  for (const [k, q] of hypothesis.piece_alignment) {
+    if (q >= queries.length || k >= keys.length) continue;  // outside the window drawn
+    const mark = svg.appendChild(svgElement("rect", {x: left + cell * k, y: top + cell * q, width: cell - 1,
+      height: cell - 1, class: "link", "data-q": q, "data-k": k}));
+    mark.appendChild(svgElement("title", {}, `${hypothesis.pieces[q]} aligns with ${keys[k]}`));
+  }
+}
+
 function highlight(attribute, index) {
   for (const line of $("drawing").querySelectorAll("line.weight")) {
     line.classList.toggle("faded", attribute !== null && Number(line.getAttribute(attribute)) !== index);
@@ -175,4 +192,4 @@ function highlight(attribute, index) {
 
 $("ask").addEventListener("submit", translate);
 $("layer").addEventListener("change", changeLayer);
-for (const id of ["kind", "head", "style"]) $(id).addEventListener("change", render);
+for (const id of ["kind", "head", "style", "alignment"]) $(id).addEventListener("change", render);
