@@ -7,6 +7,7 @@
   python translate.py checkpoint=... sampling=true nbest=2 topp=0.9 seed=1 output_format=jsonl  # samples
   python translate.py checkpoint=... input=src.de score=hyp.en output_format=jsonl  # score translations
   python translate.py checkpoint=... alignment=true output_format=fairseq      # with word alignments
+  python translate.py checkpoint=... input=src.en target_prefix=start.de      # outputs start as given
   python translate.py checkpoint=[a.pt,b.pt] weights=[0.5,0.5]             # an ensemble
 
 One output line (text) or entry per input line, always: bad lines get a warning on stderr, never a
@@ -60,13 +61,19 @@ def chunks(stream: BinaryIO, size: int) -> Iterator[list[str]]:
         yield split_input(b"\n".join(pending) + b"\n")
 
 
-def results(translator: Translator, cfg: TranslateConfig, lines: list[str], first: int) -> str:
-    """The output of input lines numbered from `first`, in cfg.output_format."""
+def results(
+    translator: Translator, cfg: TranslateConfig, lines: list[str], first: int, prefixes: list[str] | None
+) -> str:
+    """The output of input lines numbered from `first`, in cfg.output_format; prefixes: the target
+    prefixes of all the input's lines (target_prefix=FILE)."""
     if cfg.score is not None:
         references = split_input(_file(cfg.score, "score").read_bytes())
         found = [[t] if t is not None else [] for t in translator.score(lines, references)]
     else:
-        found = translator.translate_nbest(lines, progress=cfg.input is not None, first=first)
+        mine = None if prefixes is None else prefixes[first : first + len(lines)]
+        found = translator.translate_nbest(
+            lines, progress=cfg.input is not None, first=first, target_prefix=mine
+        )
     return "".join(
         format_line(cfg.output_format, first + i, line, h) for i, (line, h) in enumerate(zip(lines, found))
     )
@@ -76,16 +83,17 @@ def run(cfg: TranslateConfig) -> None:
     output = Path(cfg.output) if cfg.output is not None else None
     if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
         raise ConfigError(f"output={cfg.output} must be a file in an existing directory")
-    for name, key in ((cfg.input, "input"), (cfg.score, "score")):
+    for name, key in ((cfg.input, "input"), (cfg.score, "score"), (cfg.target_prefix, "target_prefix")):
         if name is not None:
             _file(name, key)  # before the checkpoints load
     translator = Translator.from_checkpoint(cfg)
+    prefixes = None if cfg.target_prefix is None else split_input(Path(cfg.target_prefix).read_bytes())
     interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
     with translator.packed():  # once for the session, not for every chunk of lines
         if interactive and cfg.score is None:
             written, first = [], 0
             for lines in chunks(sys.stdin.buffer, cfg.buffer_size or 1):
-                text = results(translator, cfg, lines, first)
+                text = results(translator, cfg, lines, first, prefixes)
                 first += len(lines)
                 if output is None:
                     sys.stdout.buffer.write(text.encode("utf-8"))
@@ -93,7 +101,12 @@ def run(cfg: TranslateConfig) -> None:
                 written.append(text)
             text = "".join(written)
         else:
-            text = results(translator, cfg, read_lines(cfg), 0)
+            lines = read_lines(cfg)
+            if prefixes is not None and len(prefixes) != len(lines):
+                raise ConfigError(
+                    f"{len(lines)} input lines but {len(prefixes)} target prefixes (target_prefix)"
+                )
+            text = results(translator, cfg, lines, 0, prefixes)
             if output is None:
                 sys.stdout.buffer.write(text.encode("utf-8"))
                 sys.stdout.flush()

@@ -214,6 +214,19 @@ def test_a_request_may_ask_for_each_hypothesis_alignment(server):
     assert server.translate({"text": LINES[0], "alignment": "yes"})[0] == 400
 
 
+def test_a_target_prefix_per_line_starts_each_translation(server):
+    prefixes = ["Heute", "Die Mutter"]
+    status, answer = server.translate({"text": LINES, "target_prefix": prefixes, "nbest": 2})
+    expected = Translator.from_checkpoint(CHECKPOINT, device="cpu", nbest=2).translate_nbest(
+        LINES, target_prefix=prefixes
+    )
+    got = [[h["text"] for h in t["hypotheses"]] for t in answer["translations"]]
+    assert status == 200 and got == [[h.text for h in hs] for hs in expected]
+    assert all(text.startswith(prefix) for prefix, texts in zip(prefixes, got) for text in texts)
+    status, refused = server.translate({"text": LINES, "target_prefix": ["Heute"]})
+    assert status == 400 and '2 lines but 1 in "target_prefix"' in refused["error"]
+
+
 def test_a_line_longer_than_the_model_takes_is_translated_in_parts(server):
     """With outputs of up to 20 x |X| + 50 the model takes 47 pieces: a line of four sentences (about 75)
     is translated sentence by sentence and joined, as translate.py does; its attention, of no one source,

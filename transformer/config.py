@@ -605,6 +605,7 @@ class TranslateConfig(DecodeConfig):
     score: str | None = (
         None  # a file of given translations, a line per input line, to score instead of search
     )
+    target_prefix: str | None = None  # a file of what each output starts with, a line per input line
     buffer_size: int | None = None  # translate and write each N lines as they arrive; None: 1 from a terminal
 
     def check(self) -> None:
@@ -624,6 +625,8 @@ class TranslateConfig(DecodeConfig):
             )
         if self.score is not None and self.sampling:
             raise ConfigError("score=FILE scores the translations given: not with sampling=true")
+        if self.score is not None and self.target_prefix is not None:
+            raise ConfigError("score=FILE scores the translations given: not with target_prefix=FILE")
         if self.alignment and self.output_format == "text":
             raise ConfigError(
                 "alignment=true writes each translation's alignment: choose output_format=jsonl or "

@@ -168,6 +168,19 @@ class Repeats:
         return logits
 
 
+def force_prefix(log_probs: Tensor, prefix: Tensor, step: Tensor, k: int) -> Tensor:
+    """log_probs (N * k, V) with every token but the prefix's at `step` impossible, in rows whose sentence's
+    prefix (N, P), padded with PAD_ID, is that long; the forced token keeps its log-probability (it
+    counts in the score). Reads nothing on the host."""
+    if prefix.size(1) == 0:
+        return log_probs
+    at = (step - 1).clamp(max=prefix.size(1) - 1).view(1)
+    forced = prefix.index_select(1, at).repeat_interleave(k, dim=0)  # (N * k, 1)
+    active = (forced != PAD_ID) & (step <= prefix.size(1))  # (N * k, 1)
+    others = torch.arange(log_probs.size(1), device=log_probs.device) != forced  # (N * k, V)
+    return log_probs.masked_fill(active & others, NEG_INF)
+
+
 def _ngram_completions(history: Tensor, step: Tensor, vocab: int, n: int) -> Tensor:
     """(R, V) bool: the tokens that would make y_<step + [token] end in an n-gram already in BOS y_<step
     (history (R, L) holds y_1.. in its first step - 1 columns)."""

@@ -54,6 +54,7 @@ from transformer.decoding.scoring import (
     Linear,
     Repeats,
     best_next_tokens,
+    force_prefix,
     members,
     next_log_probs,
     sample_keys,
@@ -62,7 +63,7 @@ from transformer.decoding.scoring import (
     vocab_chunks,
 )
 from transformer.model import Transformer
-from transformer.vocab import BOS_ID, EOS_ID
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass
@@ -148,14 +149,23 @@ class _Beams:
     best_len: Tensor  # (N, n) their lengths, EOS excluded
     best_eos: Tensor  # (N, n) bool: ended in EOS (else cut at the limit)
     done: Tensor  # (N,) bool: the sentence's result is final
+    prefix: Tensor  # (N, P) each sentence's forced first tokens (target_prefix), padded with PAD_ID
     reorder: Tensor  # (N * k,) the row each row of the last step extends (the cache's reorder)
 
     @classmethod
     def start(
-        cls, src: Tensor, max_len: Tensor, k: int, n: int, alpha: float, limit: int, keys: Tensor
+        cls,
+        src: Tensor,
+        max_len: Tensor,
+        k: int,
+        n: int,
+        alpha: float,
+        limit: int,
+        keys: Tensor,
+        prefix: Tensor,
     ) -> _Beams:
         """One live hypothesis per sentence, [BOS], and the other k - 1 rows impossible until step 1 (a
-        search); or all k rows live (`keys` given: sampling)."""
+        search); or all k rows live (`keys` given: sampling). prefix (B, P): forced first tokens."""
         b, device = src.size(0), src.device
         scores = torch.full((b, k), NEG_INF, device=device)
         scores[:, 0] = 0.0
@@ -176,6 +186,7 @@ class _Beams:
             best_len=src.new_zeros(b, n),
             best_eos=torch.zeros(b, n, dtype=torch.bool, device=device),
             done=torch.zeros(b, dtype=torch.bool, device=device),
+            prefix=prefix,
             reorder=torch.arange(b * k, device=device),
         )
 
@@ -248,10 +259,12 @@ class BeamSearch:
         linear: Linear,
         min_len: int = 0,
         sentence_ids: Tensor | None = None,
+        prefix: Tensor | None = None,
     ) -> None:
         """src (B, S): rows of pieces + [EOS], padded with PAD_ID; search: the beam (or samples), the
         length penalty, the output limit L = a |X| + b; sentence_ids (B,): the sentences' numbers in the
-        whole input, which fix their samples' draws (default: their rows)."""
+        whole input, which fix their samples' draws (default: their rows); prefix (B, P): the first
+        tokens of every output (target_prefix), padded with PAD_ID; the limit grows to hold them."""
         k, alpha = search.width, search.ranking_alpha
         nbest = k if search.sampling else search.nbest  # every sample is kept
         self.model, self.k, self.alpha, self.min_len, self.static = model, k, alpha, min_len, static
@@ -261,6 +274,8 @@ class BeamSearch:
         src_mask = source_mask(self.models[0], src)  # (B, S)
         positions = min(m.cfg.max_positions for m in self.models)  # an ensemble: its shortest member's
         limits = max_output_lengths(src_mask, search.max_len_a, search.max_len_b, positions)  # (B,)
+        prefix = src.new_zeros(b, 0) if prefix is None else prefix.to(src.device)
+        limits = torch.maximum(limits, (prefix != PAD_ID).sum(dim=1) + 1).clamp(max=positions)  # + EOS
         limit = int(limits.max())
         self.caches = [
             DecoderCache(m, m.encode(src, src_mask), src_mask, b * k, limit, static) for m in self.models
@@ -269,7 +284,7 @@ class BeamSearch:
         if search.sampling:
             ids = torch.arange(b, device=src.device) if sentence_ids is None else sentence_ids.to(src.device)
             keys = sample_keys(search.seed, ids, k)
-        self.beams = _Beams.start(src, limits, k, nbest, alpha, limit, keys)
+        self.beams = _Beams.start(src, limits, k, nbest, alpha, limit, keys, prefix)
         self.results = _Results(b)
 
     @property
@@ -313,12 +328,13 @@ class BeamSearch:
         beams, k = self.beams, self.k
         repeats = self._repeats(step)
         own = None  # the chosen tokens' own log-probabilities, where the ranking's differ
-        if len(self.models) == 1 and repeats is None:
+        if len(self.models) == 1 and repeats is None and not beams.prefix.numel():
             weight = self.models[0].embed.weight
             chosen = best_next_tokens(states[0], weight, step, self.min_len, 2 * k, self.linear)
         else:
             args = (states, self.model, step, self.min_len, self.linear, repeats)
             log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
+            log_probs = force_prefix(log_probs, beams.prefix, step, k)
             chosen = log_probs.topk(min(2 * k, log_probs.size(-1)))
             own = own_log_probs.gather(1, chosen[1]) if repeats is not None else None
         ranked = rank_extensions(beams.scores, *chosen, k, penalty, own)  # of the 2k best next tokens per row
@@ -334,6 +350,7 @@ class BeamSearch:
         beams = self.beams
         args = (states, self.model, step, self.min_len, self.linear, self._repeats(step))
         log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
+        log_probs = force_prefix(log_probs, beams.prefix, step, self.k)
         token = sample_tokens(log_probs, self.sampling, uniform_draws(beams.keys, step))  # (N * k, 1)
         token_score = own_log_probs.gather(1, token).squeeze(1)  # (N * k,)
         live = beams.scores.view(-1) + log_probs.gather(1, token).squeeze(1)  # (N * k,) -inf stays -inf
@@ -389,14 +406,15 @@ def beam_search(
     graphs: bool | None = None,
     linear: Linear = F.linear,
     sentence_ids: Tensor | None = None,
+    prefix: Tensor | None = None,
 ) -> SearchResult:
     """The search of `search` (default: §6.1's, beam 4 with the GNMT length penalty; a beam of 1 is
     greedy search), batched over the sentences of src (B, S): rows of pieces + [EOS], padded with
     PAD_ID; the `nbest` best hypotheses per sentence, or `nbest` samples. EOS is held back through step
     `min_len` (benchmarks that force an output length). `static`: in static shapes; `graphs` (default:
     on CUDA) with every step after the first a CUDA graph replay. `linear` makes the output projection
-    (`kernels.Products`). sentence_ids: as `BeamSearch` takes them."""
-    run = BeamSearch(model, src, search or SearchConfig(), static, linear, min_len, sentence_ids)
+    (`kernels.Products`). sentence_ids, prefix: as `BeamSearch` takes them."""
+    run = BeamSearch(model, src, search or SearchConfig(), static, linear, min_len, sentence_ids, prefix)
     graphs = (static and src.is_cuda) if graphs is None else graphs
     if graphs and not (static and src.is_cuda):
         raise ValueError("CUDA graphs need static=True and the model and src on a CUDA device")

@@ -194,12 +194,16 @@ class Translator:
         return stack
 
     def search(
-        self, src: torch.Tensor, search: SearchConfig | None = None, sentence_ids: torch.Tensor | None = None
+        self,
+        src: torch.Tensor,
+        search: SearchConfig | None = None,
+        sentence_ids: torch.Tensor | None = None,
+        prefix: torch.Tensor | None = None,
     ) -> SearchResult:
         """The search on a padded batch (B, S) (default: the settings'): beam search as in §6.1
         (beam_size=1: greedy, without length penalty) with its `nbest` best, or `nbest` samples; with
         cuda_graphs, in static shapes and CUDA graphs. sentence_ids (B,): the lines' numbers (sampling's
-        draws)."""
+        draws); prefix (B, P): each output's forced first pieces, padded."""
         cfg = self.cfg
         model = (
             self.model
@@ -208,7 +212,13 @@ class Translator:
         )
         linear, search = self.kernels.products, search or cfg.search
         return beam_search(
-            model, src, search, static=cfg.cuda_graphs, linear=linear, sentence_ids=sentence_ids
+            model,
+            src,
+            search,
+            static=cfg.cuda_graphs,
+            linear=linear,
+            sentence_ids=sentence_ids,
+            prefix=prefix,
         )
 
     def search_all(
@@ -217,10 +227,11 @@ class Translator:
         progress: bool = False,
         first: int | list[int] = 0,
         search: SearchConfig | None = None,
+        prefixes: list[list[int]] | None = None,
     ) -> list[list[Hypothesis]]:
         """The hypotheses of each source; sources are batched by length and results put back in order.
         first: the number of the first source in the whole input, or each source's number (sampling
-        draws by line number)."""
+        draws by line number); prefixes: each output's forced first pieces (target_prefix)."""
         numbers = torch.tensor(first) if isinstance(first, list) else first + torch.arange(len(sources))
         outputs: list[list[Hypothesis]] = [[] for _ in sources]
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
@@ -229,7 +240,8 @@ class Translator:
             lengths, cfg = [len(ids) for ids in sources], self.cfg
             for batch in _batches(todo, lengths, cfg.max_tokens, cfg.max_sentences):
                 src = padded([sources[i] for i in batch])  # (B, S)
-                result = self.search(src.to(self.device), search, numbers[batch])
+                prefix = padded([prefixes[i] for i in batch]).to(self.device) if prefixes else None  # (B, P)
+                result = self.search(src.to(self.device), search, numbers[batch], prefix)
                 for i, hypotheses in zip(batch, result.hypotheses):
                     outputs[i] = hypotheses
                 bar.update(len(batch))
@@ -242,13 +254,18 @@ class Translator:
         return [h[0].tokens if h else [] for h in self.search_all(sources, progress, search=search)]
 
     def translate(
-        self, lines: list[str] | str, progress: bool = False, search: SearchConfig | None = None
+        self,
+        lines: list[str] | str,
+        progress: bool = False,
+        search: SearchConfig | None = None,
+        target_prefix: list[str] | str | None = None,
     ) -> list[str] | str:
         """One output line per input line, the best (line breaks inside a translation become spaces);
-        for one line given as a string, its translation."""
+        for one line given as a string, its translation. target_prefix: what each must start with."""
         one, lines = _lines(lines)
         search = dataclasses.replace(search or self.cfg.search, alignment=False)  # text alone: none needed
-        nbest = self.nbest_of(self.encode(lines, search), progress, search=search)
+        prefixes = self.encode_prefixes(lines, target_prefix)
+        nbest = self.nbest_of(self.encode(lines, search), progress, search=search, prefixes=prefixes)
         translations = [hypotheses[0].text if hypotheses else "" for hypotheses in nbest]
         return translations[0] if one else translations
 
@@ -258,13 +275,30 @@ class Translator:
         progress: bool = False,
         first: int | list[int] = 0,
         search: SearchConfig | None = None,
+        target_prefix: list[str] | str | None = None,
     ) -> list[list[Translation]] | list[Translation]:
         """Per input line its `nbest` hypotheses (or samples), best first; none for an empty line (for
         one line given as a string, its hypotheses). first: the number of the first line in the whole
-        input, or each line's number (sampling draws by line number)."""
+        input, or each line's number (sampling draws by line number); target_prefix: per line (or for
+        the one line) the text every hypothesis starts with, "" for none."""
         one, lines = _lines(lines)
-        nbest = self.nbest_of(self.encode(lines, search), progress, first, search)
+        prefixes = self.encode_prefixes(lines, target_prefix)
+        nbest = self.nbest_of(self.encode(lines, search), progress, first, search, prefixes)
         return nbest[0] if one else nbest
+
+    def encode_prefixes(
+        self, lines: list[str], target_prefix: list[str] | str | None
+    ) -> list[list[int]] | None:
+        """The pieces of each line's target prefix (none for ""), or None without prefixes; a count
+        other than the lines' is refused."""
+        if target_prefix is None:
+            return None
+        prefixes = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix)
+        if len(prefixes) != len(lines) or not all(isinstance(p, str) for p in prefixes):
+            raise ConfigError(
+                f"{len(lines)} input lines but {len(prefixes)} target prefixes: one string per line"
+            )
+        return [self.tokenizer.encode(prefix) if prefix.strip() else [] for prefix in prefixes]
 
     def nbest_of(
         self,
@@ -272,10 +306,12 @@ class Translator:
         progress: bool = False,
         first: int | list[int] = 0,
         search: SearchConfig | None = None,
+        prefixes: list[list[int]] | None = None,
     ) -> list[list[Translation]]:
-        """`translate_nbest` of lines encoded already (`encode`'s sources). A line in parts: its i-th
-        hypothesis joins its parts' i-th, their scores, log-probabilities and pieces (each "</s>" too)
-        added up, and their alignments (`joined`)."""
+        """`translate_nbest` of lines encoded already (`encode`'s sources; `encode_prefixes`' prefixes,
+        which a line in parts forces on its first). A line in parts: its i-th hypothesis joins its parts'
+        i-th, their scores, log-probabilities and pieces (each "</s>" too) added up, and their alignments
+        (`joined`)."""
         search = search or self.cfg.search
         numbers = [first + i for i in range(len(sources))] if isinstance(first, int) else first
         # each part draws its own samples: the first the line's number, the others apart from every line's
@@ -283,9 +319,16 @@ class Translator:
             n if j == 0 else -((n << 20) + j) for n, parts in zip(numbers, sources) for j in range(len(parts))
         ]
         flat = [part for parts in sources for part in parts]
+        forced = None
+        if prefixes is not None:
+            forced = [
+                prefix if j == 0 else []
+                for prefix, parts in zip(prefixes, sources)
+                for j in range(len(parts))
+            ]
         found = [
             [h for h in hypotheses if h.token_log_probs]
-            for hypotheses in self.search_all(flat, progress, keys, search)
+            for hypotheses in self.search_all(flat, progress, keys, search, forced)
         ]
         pairs = [(src, h.tokens) for src, hypotheses in zip(flat, found) for h in hypotheses]
         aligned = iter(self.align(pairs) if search.alignment else [None] * len(pairs))

@@ -37,6 +37,7 @@ class Request:
     search: SearchConfig
     attention: bool
     attention_layer: int | None
+    target_prefix: list[str] | None = None  # per line, what its translations start with
 
 
 def parse_request(body: bytes, cfg: ServeConfig, base: SearchConfig) -> Request:
@@ -51,14 +52,33 @@ def parse_request(body: bytes, cfg: ServeConfig, base: SearchConfig) -> Request:
         raise BadRequest("the body is not JSON this server reads: nested too deeply") from None
     if not isinstance(request, dict):
         raise BadRequest('the body must be a JSON object: {"text": [...]}')
-    fields = ["text", "attention", "attention_layer", *SETTINGS]
+    fields = ["text", "target_prefix", "attention", "attention_layer", *SETTINGS]
     unknown = sorted(set(request) - set(fields))
     if unknown:
         raise BadRequest(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    text = request.get("text")
-    lines = [text] if isinstance(text, str) else text
+    lines = _lines(request.get("text"), "text", cfg)
+    prefixes = None
+    if "target_prefix" in request:
+        prefixes = _lines(request["target_prefix"], "target_prefix", cfg)
+        if len(prefixes) != len(lines):
+            raise BadRequest(f'{len(lines)} lines but {len(prefixes)} in "target_prefix": one per line')
+    try:
+        search = from_dict(SearchConfig, to_dict(base) | {k: request[k] for k in SETTINGS if k in request})
+    except ConfigError as error:
+        raise BadRequest(str(error)) from None
+    attention, layer = request.get("attention", False), request.get("attention_layer")
+    if not isinstance(attention, bool):
+        raise BadRequest('"attention" must be true or false')
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+        raise BadRequest('"attention_layer" must be a whole number')
+    return Request(lines, search, attention, layer, prefixes)
+
+
+def _lines(value: Any, field: str, cfg: ServeConfig) -> list[str]:
+    """A request's `field`, a string or a list of them, checked: lines within the server's limits."""
+    lines = [value] if isinstance(value, str) else value
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
-        raise BadRequest('"text" must be a string or a list of strings')
+        raise BadRequest(f'"{field}" must be a string or a list of strings')
     if len(lines) > cfg.max_lines:
         raise BadRequest(
             f"{len(lines)} lines; a request takes at most {cfg.max_lines} (max_lines)",
@@ -74,17 +94,7 @@ def parse_request(body: bytes, cfg: ServeConfig, base: SearchConfig) -> Request:
                 f"line {number} has {len(line)} characters; at most {cfg.max_chars} (max_chars)",
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
-    lines = [" ".join(line.splitlines()) for line in lines]
-    try:
-        search = from_dict(SearchConfig, to_dict(base) | {k: request[k] for k in SETTINGS if k in request})
-    except ConfigError as error:
-        raise BadRequest(str(error)) from None
-    attention, layer = request.get("attention", False), request.get("attention_layer")
-    if not isinstance(attention, bool):
-        raise BadRequest('"attention" must be true or false')
-    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
-        raise BadRequest('"attention_layer" must be a whole number')
-    return Request(lines, search, attention, layer)
+    return [" ".join(line.splitlines()) for line in lines]
 
 
 def _not_unicode(line: str) -> bool:
@@ -116,7 +126,8 @@ def openapi(cfg: ServeConfig) -> dict[str, Any]:
     line = {"type": "string", "maxLength": cfg.max_chars}
     text = {"oneOf": [line, {"type": "array", "items": line, "maxItems": cfg.max_lines}]}
     attention = {"attention": BOOLEAN | {"default": False}, "attention_layer": OPTIONAL_INTEGER}
-    request = _object(["text"], text=text, **settings, **attention) | {"additionalProperties": False}
+    request = _object(["text"], text=text, target_prefix=text, **settings, **attention)
+    request |= {"additionalProperties": False}
     hypothesis = _object(
         ["text", "score", "log_prob", "pieces", "token_log_probs"],
         text=STRING,

@@ -30,6 +30,7 @@ class Job:
     sources: list[list[list[int]]]  # each line's sources (pieces + EOS; parts of a long line), as encoded
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    prefixes: list[list[int]] | None = None  # each line's forced first pieces (target_prefix)
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None
     dropped: bool = False  # the client left or its time ran out: not run, not answered

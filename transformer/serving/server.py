@@ -118,8 +118,12 @@ class Service:
         self.metrics.batch.observe(len(jobs))
         sources = [parts for job in jobs for parts in job.sources]
         numbers = [i for job in jobs for i in range(len(job.request.lines))]  # each request's own samples
+        prefixes = [prefix for job in jobs for prefix in job.prefixes or [[]] * len(job.sources)]
+        forced = prefixes if any(prefixes) else None
         try:
-            found = self.translator.nbest_of(sources, first=numbers, search=jobs[0].request.search)
+            found = self.translator.nbest_of(
+                sources, first=numbers, search=jobs[0].request.search, prefixes=forced
+            )
         except (ConfigError, ValueError) as error:
             for job in jobs:
                 job.answer(error=BadRequest(str(error)))
@@ -186,7 +190,8 @@ class Service:
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
         loop = asyncio.get_running_loop()
-        job = Job(request.state.id, parsed, sources, loop.create_future(), loop)
+        prefixes = translator.encode_prefixes(parsed.lines, parsed.target_prefix)
+        job = Job(request.state.id, parsed, sources, loop.create_future(), loop, prefixes)
         try:
             self.batcher.submit(job)
         except QueueFull:
