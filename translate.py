@@ -64,15 +64,14 @@ def chunks(stream: BinaryIO, size: int) -> Iterator[list[str]]:
 def results(
     translator: Translator, cfg: TranslateConfig, lines: list[str], first: int, prefixes: list[str] | None
 ) -> str:
-    """The output of input lines numbered from `first`, in cfg.output_format; prefixes: the target
-    prefixes of all the input's lines (target_prefix=FILE)."""
+    """The output of input lines numbered from `first`, in cfg.output_format; prefixes: theirs
+    (target_prefix=FILE)."""
     if cfg.score is not None:
         references = split_input(_file(cfg.score, "score").read_bytes())
         found = [[t] if t is not None else [] for t in translator.score(lines, references)]
     else:
-        mine = None if prefixes is None else prefixes[first : first + len(lines)]
         found = translator.translate_nbest(
-            lines, progress=cfg.input is not None, first=first, target_prefix=mine
+            lines, progress=cfg.input is not None, first=first, target_prefix=prefixes
         )
     return "".join(
         format_line(cfg.output_format, first + i, line, h) for i, (line, h) in enumerate(zip(lines, found))
@@ -86,11 +85,18 @@ def run(cfg: TranslateConfig) -> None:
     for name, key in ((cfg.input, "input"), (cfg.score, "score"), (cfg.target_prefix, "target_prefix")):
         if name is not None:
             _file(name, key)  # before the checkpoints load
-    translator = Translator.from_checkpoint(cfg)
-    prefixes = None if cfg.target_prefix is None else split_input(Path(cfg.target_prefix).read_bytes())
     interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
+    prefixes = None if cfg.target_prefix is None else split_input(Path(cfg.target_prefix).read_bytes())
+    lines = None if interactive and cfg.score is None else read_lines(cfg)  # before the checkpoints load
+    if prefixes is not None and (lines is None or len(prefixes) != len(lines)):
+        given = "interactive input" if lines is None else f"{len(lines)} input lines"
+        raise ConfigError(
+            f"target_prefix={cfg.target_prefix} has {len(prefixes)} lines for {given}: one per input line, "
+            "of input=FILE, text= or a piped file"
+        )
+    translator = Translator.from_checkpoint(cfg)
     with translator.packed():  # once for the session, not for every chunk of lines
-        if interactive and cfg.score is None:
+        if lines is None:
             written, first = [], 0
             for lines in chunks(sys.stdin.buffer, cfg.buffer_size or 1):
                 text = results(translator, cfg, lines, first, prefixes)
@@ -101,11 +107,6 @@ def run(cfg: TranslateConfig) -> None:
                 written.append(text)
             text = "".join(written)
         else:
-            lines = read_lines(cfg)
-            if prefixes is not None and len(prefixes) != len(lines):
-                raise ConfigError(
-                    f"{len(lines)} input lines but {len(prefixes)} target prefixes (target_prefix)"
-                )
             text = results(translator, cfg, lines, 0, prefixes)
             if output is None:
                 sys.stdout.buffer.write(text.encode("utf-8"))

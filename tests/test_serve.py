@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from transformer.config import ServeConfig, TranslateConfig
+from transformer.config import SearchConfig, ServeConfig, TranslateConfig
 from transformer.inference.translation import Translator
 from transformer.kernels import onednn
+from transformer.serving.api import request_cost
 from transformer.serving.server import serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,6 +213,13 @@ def test_a_request_may_ask_for_each_hypothesis_alignment(server):
     schema = contract["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert schema["properties"]["alignment"] == {"type": "boolean", "default": False}
     assert server.translate({"text": LINES[0], "alignment": "yes"})[0] == 400
+
+
+def test_a_requests_cost_counts_the_output_a_target_prefix_forces_and_the_alignment_pass():
+    """Source pieces x rows x output limit: a |X| + b = 52 for 2 pieces, or the prefix's 1,000 + EOS."""
+    assert request_cost([[5, 3]], SearchConfig(), attention=False) == 2 * 4 * 52
+    assert request_cost([[5, 3]], SearchConfig(), attention=False, prefixes=[1000]) == 2 * 4 * 1001
+    assert request_cost([[5, 3]], SearchConfig(nbest=3, alignment=True), attention=False) == 2 * 4 * 52 * 3
 
 
 def test_a_target_prefix_per_line_starts_each_translation(server):

@@ -91,9 +91,34 @@ def test_translate_py_and_the_api_start_every_output_with_its_prefix(trained, tm
     api = translator.translate(lines, target_prefix=prefixes)
     assert api == [json.loads(e)["hypotheses"][0]["text"] for e in done.stdout.decode().splitlines()]
     assert api[2] != translator.translate(lines[2])  # the model's own choice starts otherwise
-    short = translate(*settings, "output_format=jsonl", stdin="\n".join(lines[:2]).encode())
-    assert short.returncode == 2 and "2 input lines but 3 target prefixes" in short.stderr.decode()
+    short = translate(
+        *settings, "output_format=jsonl", "checkpoint=missing.pt", stdin="\n".join(lines[:2]).encode()
+    )
+    assert short.returncode == 2 and "prefix.de has 3 lines for 2 input lines" in short.stderr.decode()
     scoring = translate(*settings, f"score={tmp_path / 'prefix.de'}", "output_format=jsonl", stdin=b"a\n")
     assert scoring.returncode == 2 and "not with target_prefix=FILE" in scoring.stderr.decode()
     with pytest.raises(ConfigError, match="3 input lines but 1 target prefixes"):
         translator.translate(lines, target_prefix=["x"])
+
+
+@BEAM_SEARCHES
+def test_a_prefix_that_repeats_itself_is_forced_whatever_the_repetition_control(search):
+    """The forced pieces are the user's: neither banned nor penalised, their own log-probabilities in
+    the score; the control acts on what follows."""
+    model = tiny_model(seed=3)
+    src = sources([4, 6], 24, seed=2)
+    prefix = padded([[5, 6, 5, 6], [9, 9]])
+    for cfg in (
+        SearchConfig(beam_size=4, max_len_b=10, no_repeat_ngram_size=1, repetition_penalty=2.0),
+        SearchConfig(sampling=True, nbest=3, max_len_b=10, no_repeat_ngram_size=2),
+    ):
+        result = search(model, src, cfg, prefix=prefix)
+        plain = search(model, src, SearchConfig(beam_size=1, max_len_a=0.0, max_len_b=4), prefix=prefix)
+        for row, forced in enumerate(([5, 6, 5, 6], [9, 9])):
+            for h in result.hypotheses[row]:
+                assert h.tokens[: len(forced)] == forced and h.score > float("-inf")
+                after = h.tokens[len(forced) :]
+                if cfg.no_repeat_ngram_size == 1:
+                    assert not set(after) & set(h.tokens[: len(forced)]) and len(set(after)) == len(after)
+                own = plain.hypotheses[row][0].token_log_probs[: len(forced)]
+                assert h.token_log_probs[: len(forced)] == pytest.approx(own, abs=1e-6)

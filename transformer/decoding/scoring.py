@@ -168,17 +168,18 @@ class Repeats:
         return logits
 
 
-def force_prefix(log_probs: Tensor, prefix: Tensor, step: Tensor, k: int) -> Tensor:
-    """log_probs (N * k, V) with every token but the prefix's at `step` impossible, in rows whose sentence's
-    prefix (N, P), padded with PAD_ID, is that long; the forced token keeps its log-probability (it
-    counts in the score). Reads nothing on the host."""
+def force_prefix(log_probs: Tensor, own: Tensor, prefix: Tensor, step: Tensor, k: int) -> Tensor:
+    """log_probs (N * k, V) where a row's sentence has a prefix (N, P) (padded with PAD_ID) this long: every
+    token but the prefix's at `step` impossible, the forced one with the model's own log-probability of
+    own (N * k, V) (it counts in the score; no repetition control bans or penalises it). Reads nothing
+    on the host."""
     if prefix.size(1) == 0:
         return log_probs
     at = (step - 1).clamp(max=prefix.size(1) - 1).view(1)
     forced = prefix.index_select(1, at).repeat_interleave(k, dim=0)  # (N * k, 1)
     active = (forced != PAD_ID) & (step <= prefix.size(1))  # (N * k, 1)
     others = torch.arange(log_probs.size(1), device=log_probs.device) != forced  # (N * k, V)
-    return log_probs.masked_fill(active & others, NEG_INF)
+    return torch.where(active, own.masked_fill(others, NEG_INF), log_probs)
 
 
 def _ngram_completions(history: Tensor, step: Tensor, vocab: int, n: int) -> Tensor:

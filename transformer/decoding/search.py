@@ -334,7 +334,7 @@ class BeamSearch:
         else:
             args = (states, self.model, step, self.min_len, self.linear, repeats)
             log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
-            log_probs = force_prefix(log_probs, beams.prefix, step, k)
+            log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, k)
             chosen = log_probs.topk(min(2 * k, log_probs.size(-1)))
             own = own_log_probs.gather(1, chosen[1]) if repeats is not None else None
         ranked = rank_extensions(beams.scores, *chosen, k, penalty, own)  # of the 2k best next tokens per row
@@ -350,7 +350,7 @@ class BeamSearch:
         beams = self.beams
         args = (states, self.model, step, self.min_len, self.linear, self._repeats(step))
         log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
-        log_probs = force_prefix(log_probs, beams.prefix, step, self.k)
+        log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, self.k)
         token = sample_tokens(log_probs, self.sampling, uniform_draws(beams.keys, step))  # (N * k, 1)
         token_score = own_log_probs.gather(1, token).squeeze(1)  # (N * k,)
         live = beams.scores.view(-1) + log_probs.gather(1, token).squeeze(1)  # (N * k,) -inf stays -inf

@@ -106,13 +106,16 @@ def _not_unicode(line: str) -> bool:
     return False
 
 
-def request_cost(sources: list[list[int]], search: SearchConfig, attention: bool) -> int:
-    """What a request asks of the model: per line, its source pieces x the rows decoded (the beam, or
-    the samples) x its output limit, x nbest again where each hypothesis's attention is drawn."""
-    cost = 0
-    for ids in sources:
-        limit = int(search.max_len_a * len(ids) + search.max_len_b)
-        cost += len(ids) * search.width * limit * (search.nbest if attention else 1)
+def request_cost(
+    sources: list[list[int]], search: SearchConfig, attention: bool, prefixes: list[int] | None = None
+) -> int:
+    """What a request asks of the model: per source, its pieces x the rows decoded (the beam, or the
+    samples) x its output limit (grown to hold its target prefix of prefixes' pieces), x nbest again
+    where each hypothesis's attention is drawn or it is aligned."""
+    cost, again = 0, search.nbest if attention or search.alignment else 1
+    for ids, forced in zip(sources, prefixes or [0] * len(sources)):
+        limit = max(int(search.max_len_a * len(ids) + search.max_len_b), forced + 1)
+        cost += len(ids) * search.width * limit * again
     return cost
 
 

@@ -181,16 +181,23 @@ class Service:
             sources = translator.encode(parsed.lines, parsed.search)
         else:
             sources = await run_in_threadpool(translator.encode, parsed.lines, parsed.search)
-        cost = request_cost([part for parts in sources for part in parts], parsed.search, parsed.attention)
+        prefixes = translator.encode_prefixes(parsed.lines, parsed.target_prefix)
+        forced = [
+            len(p) if j == 0 else 0
+            for p, parts in zip(prefixes or [[]] * len(sources), sources)
+            for j in range(len(parts))
+        ]
+        flat = [part for parts in sources for part in parts]
+        cost = request_cost(flat, parsed.search, parsed.attention, forced)
         if cost > self.cfg.max_request_cost:
             raise BadRequest(
                 f"this request costs {cost:,} (source pieces x beam or samples x output limit, x nbest "
-                f"with attention); this server takes at most max_request_cost={self.cfg.max_request_cost:,}: "
+                "with attention or alignment); this server takes at most "
+                f"max_request_cost={self.cfg.max_request_cost:,}: "
                 "send fewer or shorter lines, or lower beam_size, nbest or max_len_b",
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
         loop = asyncio.get_running_loop()
-        prefixes = translator.encode_prefixes(parsed.lines, parsed.target_prefix)
         job = Job(request.state.id, parsed, sources, loop.create_future(), loop, prefixes)
         try:
             self.batcher.submit(job)
