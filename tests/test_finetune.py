@@ -104,6 +104,16 @@ def test_data_encoded_with_another_tokenizer_is_refused_then_rebuilt_with_the_ch
     again = overrides(shifted, tmp_path / "new", "trainer.max_steps=1")  # from scratch, on the same data
     with pytest.raises(ConfigError, match="holds data encoded with a checkpoint's tokenizer"):
         train(compose_config([*again, data]))
+    # a run directory of a run from scratch is not where a fine-tuning run goes on
+    scratch = [
+        *overrides(shifted, tmp_path / "own", "trainer.max_steps=2"),
+        data,
+        f"trainer.finetune_from={source}",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"holds a run started from scratch \(.*checkpoint_1.pt\); choose another"
+    ):
+        train(compose_config(scratch))
     tokenizer = load_checkpoint(source)["spm_model"]
     assert (tmp_path / "own_bpe" / "spm.model").read_bytes() == tokenizer
     assert (

@@ -251,6 +251,7 @@ def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
             raise CheckpointError(f"{trainer.resume} cannot resume training: it has no {', '.join(missing)}")
         resume = Resume(Path(trainer.resume), ckpt)
     if resume is not None:  # the vocabulary's size is the prepared data's: compared once it is
+        check_same_start(cfg, resume)
         check_same_model(cfg.model, resume.path, resume.ckpt, but=("vocab_size",))
         tokenizer = Path(cfg.data.dir) / SPM_FILE  # where prepared data is kept, not prepared anew
         prepared = tokenizer.read_bytes() if tokenizer.is_file() and not cfg.data.force else None
@@ -270,13 +271,26 @@ def find_resume(cfg: TrainConfig, runtime: Runtime) -> Resume | None:
     return resume
 
 
+def check_same_start(cfg: TrainConfig, resume: Resume) -> None:
+    """Refuse to go on, as a fine-tuning run of trainer.finetune_from, with a run that did not start from
+    that checkpoint."""
+    path = cfg.trainer.finetune_from
+    started = resume.ckpt.get("config", {}).get("trainer", {}).get("finetune_from")
+    if path is not None and (started is None or Path(started).resolve() != Path(path).resolve()):
+        raise ConfigError(
+            f"trainer.finetune_from={path}, but {cfg.trainer.run_dir} holds a run started "
+            f"{f'from {started}' if started else 'from scratch'} ({resume.path}); choose another "
+            "trainer.run_dir"
+        )
+
+
 def find_finetune(cfg: TrainConfig, resume: Resume | None) -> Resume | None:
     """The checkpoint whose weights start the run (trainer.finetune_from), its model compared with this
     run's before the data is prepared; None without one, or once the run has its own checkpoints."""
     path = cfg.trainer.finetune_from
     if path is None:
         return None
-    if resume is not None:
+    if resume is not None:  # (`check_same_start` compared its start)
         log.info("trainer.finetune_from=%s started this run; it goes on from %s", path, resume.path)
         return None
     ckpt = load_checkpoint(path)
