@@ -33,7 +33,8 @@ def valid_scores(run: Run, text: Split) -> dict[str, float]:
     setting = run.cfg.trainer.cpu_kernels
     kernels = decoding_kernels(run.model.cfg, run.runtime.device, setting, False, *rows(cfg))
     model = kernels.apply(run.model).eval()  # decoding's kernels, the training weights themselves
-    translator = Translator(model, Tokenizer.from_bytes(run.spm_model), cfg, kernels=kernels)
+    info = {"data_meta": run.meta}  # the source language, whose rules split a line too long
+    translator = Translator(model, Tokenizer.from_bytes(run.spm_model), cfg, info, kernels)
     # bf16 autocast on CUDA; a CPU decodes fastest in fp32 with its kernels
     with run.runtime.autocast() if run.runtime.device.type == "cuda" else nullcontext():
         hypotheses = translator.translate(text.src)
