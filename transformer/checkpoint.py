@@ -52,6 +52,7 @@ from transformer.vocab import PAD_ID
 
 FORMAT = "transformer-checkpoint"
 RESUME_KEYS = ("optimizer", "scheduler", "data_state", "rng")
+TRAINED = "trained_model"  # the trained weights, where `model` holds their average (training/ema.py)
 _NUMBERED = re.compile(r"checkpoint_(\d+)\.pt")
 LAST = "checkpoint_last.pt"  # a copy of the newest numbered checkpoint
 BEST = "checkpoint_best.pt"  # the checkpoint of the best validation (trainer.best_metric); never rotated
@@ -147,8 +148,9 @@ def _upgraded(ckpt: dict[str, Any]) -> dict[str, Any]:
     """An older checkpoint in today's terms: its parameters under today's names (`RENAMED`); and its
     model settings without the padding id (it was always the tokenizer's 0) and with the initialisation
     (it was always "xavier") where it names neither."""
-    if isinstance(ckpt.get("model"), dict):
-        ckpt["model"] = current_names(ckpt["model"])
+    for key in ("model", TRAINED):
+        if isinstance(ckpt.get(key), dict):
+            ckpt[key] = current_names(ckpt[key])
     for model_config in (ckpt.get("model_config"), ckpt.get("config", {}).get("model")):
         if isinstance(model_config, dict):
             if model_config.get("pad_id") == PAD_ID:
@@ -372,7 +374,7 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
         name: (sums[name] / len(paths)).to(tensor.dtype) if name in sums else tensor
         for name, tensor in last["model"].items()
     }
-    averaged = {key: value for key, value in last.items() if key not in (*RESUME_KEYS, "interim")}
+    averaged = {key: value for key, value in last.items() if key not in (*RESUME_KEYS, TRAINED, "interim")}
     averaged["model"] = model
     averaged["averaged_from"] = [str(path) for path in paths]
     return averaged

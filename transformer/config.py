@@ -421,6 +421,9 @@ class TrainerConfig(DeviceConfig):
     # a checkpoint whose weights (and tokenizer: the corpus is encoded with it) start a new run: Adam, the
     # schedule, the step and the best validation start afresh; once the run has saved, resume=auto goes on
     finetune_from: str | None = None
+    # an exponential moving average of the weights (transformer/training/ema.py), what checkpoints,
+    # validation, averaging and translation use; e.g. 0.9999 (fairseq's, Marian's); 0 = off (the paper)
+    ema_decay: float = 0.0
     max_nonfinite_steps: int = 10  # consecutive skipped non-finite updates before the run stops
     seed: int = 1
     progress: bool = True
@@ -458,6 +461,7 @@ class TrainerConfig(DeviceConfig):
             self.length_buckets is None or self.length_buckets >= 0, "length_buckets", "must be >= 0"
         )
         self.require_choice("best_metric", ("loss", "bleu", "chrf", "chrf++"))
+        self.require(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1) (0 = off)")
         unknown = sorted(set(self.resume_changes) - set(RESUME_CHANGES))
         self.require(not unknown, "resume_changes", f"has {unknown}: each must be {one_of(RESUME_CHANGES)}")
         if self.profile_steps is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,8 +102,11 @@ def _loop(
             decision = policy.after_step(run.step, stats, stop, save_due)
             if stats["finite"]:
                 monitor.step(run.step, stats)
+            # validated with the average of the weights where kept
+            averaged = run.ema is not None and (decision.validate or decision.translate)
+            average = run.ema.swapped() if averaged else nullcontext()
             # compiled for training steps only
-            with speed.context(), torch.compiler.set_stance("force_eager"):
+            with speed.context(), torch.compiler.set_stance("force_eager"), average:
                 best = _validate(plan, run, decision, validated, monitor)
             numbered = decision.save or run.early_stopped  # the last checkpoint of an early stop
             if numbered or best:

@@ -16,12 +16,13 @@ from torch import nn
 from torch.optim import Adam
 from torch.optim.lr_scheduler import LambdaLR
 
-from transformer.checkpoint import FORMAT, list_checkpoints, save_best, save_numbered
+from transformer.checkpoint import FORMAT, TRAINED, list_checkpoints, save_best, save_numbered
 from transformer.config import OptimConfig, TrainConfig, to_dict
 from transformer.data.batching import TokenBudgetBatchSampler
 from transformer.data.corpus import Corpus
 from transformer.model import Transformer
 from transformer.training.distributed import Runtime, gather_objects, wrap
+from transformer.training.ema import EMA
 from transformer.training.loss import CHUNK_ROWS, Seq2SeqLoss
 from transformer.training.policy import Best
 from transformer.training.schedule import make_scheduler
@@ -54,6 +55,7 @@ class Run:
     early_stopped: bool = False  # trainer.patience ran out
     step: int = 0
     interim: Path | None = None  # the interim checkpoint of this run it resumed from, replaced by the next
+    ema: EMA | None = None  # the average of the weights (trainer.ema_decay)
 
     def save(
         self, data_state: dict[str, int], interim: bool = False, numbered: bool = True, best: bool = False
@@ -65,9 +67,10 @@ class Run:
         rngs = gather_objects(rng_state(), self.runtime)
         if not self.runtime.is_main:
             return
+        trained = self.model.state_dict()
         ckpt = {
             "format": FORMAT,
-            "model": self.model.state_dict(),
+            "model": trained if self.ema is None else self.ema.state_dict(self.model),
             "model_config": to_dict(self.cfg.model),
             "spm_model": self.spm_model,
             "data_meta": self.meta,
@@ -84,6 +87,8 @@ class Run:
             "batching": {"buckets": self.sampler.buckets},  # and the same (trainer.length_buckets)
             "early_stopped": self.early_stopped,
         }
+        if self.ema is not None:
+            ckpt[TRAINED] = trained
         path = None
         if numbered:
             path = save_numbered(ckpt, self.run_dir, self.cfg.trainer.keep_last, self.interim)
@@ -95,13 +100,16 @@ class Run:
     def restore(self, path: Path, ckpt: dict[str, Any]) -> None:
         # the initialisation is the checkpoint's, whatever this run's model.init: its weights replace them
         self.cfg = replace(self.cfg, model=replace(self.cfg.model, init=ckpt["model_config"]["init"]))
-        self.model.load_state_dict(ckpt["model"])
+        self.model.load_state_dict(ckpt.get(TRAINED, ckpt["model"]))
+        self._restore_average(path, ckpt)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self._apply_optim_settings(ckpt.get("config", {}).get("optim", {}))
         self.sampler.load_state_dict(ckpt["data_state"])
         self.step = int(ckpt["step"])
         self.best.load_state_dict(ckpt.get("best") or {})
+        if (TRAINED in ckpt) != (self.ema is not None):  # its best was of the other weights
+            self.best = Best(self.best.metric)
         self.early_stopped = bool(ckpt.get("early_stopped"))
         if ckpt.get("interim") and path.resolve() in {p.resolve() for p in list_checkpoints(self.run_dir)}:
             self.interim = path  # this run's own: never a file of another run directory
@@ -118,6 +126,19 @@ class Run:
             )
             seed_everything(self.cfg.trainer.seed + rank + self.step)
         log.info("resumed from %s at step %d (epoch %d)", path, self.step, self.sampler.epoch)
+
+    def _restore_average(self, path: Path, ckpt: dict[str, Any]) -> None:
+        """The checkpoint's average of the weights; one without starts it from the resumed weights."""
+        if self.ema is not None and TRAINED in ckpt:
+            self.ema.load_state_dict(self.model, ckpt["model"])
+        elif self.ema is not None:
+            self.ema = EMA(self.model, self.ema.decay)
+            log.info("%s holds no average of the weights: trainer.ema_decay starts one from it", path)
+        elif TRAINED in ckpt:
+            log.info(
+                "trainer.ema_decay=0: training goes on from the trained weights of %s, not their average",
+                path,
+            )
 
     def _apply_optim_settings(self, saved: dict[str, Any]) -> None:
         """This run's optim settings over those Adam's state was saved with (the README's advice after a
@@ -157,6 +178,7 @@ def start_run(
         model.load_state_dict(finetune.ckpt["model"])
         log.info("fine-tuning %s: its weights, a new optimizer, schedule and step count", finetune.path)
     model = kernels.apply(model.to(runtime.device))
+    ema = EMA(model, cfg.trainer.ema_decay) if cfg.trainer.ema_decay else None
     chunks = -(-cfg.trainer.max_tokens // CHUNK_ROWS)  # a batch's target tokens fit these chunks of the loss
     objective = Seq2SeqLoss(model, cfg.optim.label_smoothing, kernels.products, chunks)
     objective = wrap(objective, runtime, cfg.trainer.compile)
@@ -165,6 +187,7 @@ def start_run(
     scheduler = make_scheduler(optimizer, cfg.optim, cfg.model.d_model)
     run_dir, best, meta = Path(cfg.trainer.run_dir), Best(cfg.trainer.best_metric), corpus.meta
     run = Run(cfg, runtime, run_dir, model, optimizer, scheduler, sampler, meta, corpus.spm_model, best)
+    run.ema = ema
     if resume is not None:
         run.restore(resume.path, resume.ckpt)
     return run, objective

@@ -94,6 +94,8 @@ def finish_step(
     if finite:
         run.scheduler.step()
         run.step += 1
+        if run.ema is not None:
+            run.ema.update(run.step)
     stats = {
         "finite": finite,
         "loss": loss_sum / n_tokens,
