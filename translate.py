@@ -8,6 +8,7 @@
   python translate.py checkpoint=... input=src.de score=hyp.en output_format=jsonl  # score translations
   python translate.py checkpoint=... alignment=true output_format=fairseq      # with word alignments
   python translate.py checkpoint=... input=src.en target_prefix=start.de      # outputs start as given
+  python translate.py checkpoint=... input=src.en constraints=terms.de         # and contain these phrases
   python translate.py checkpoint=[a.pt,b.pt] weights=[0.5,0.5]             # an ensemble
 
 One output line (text) or entry per input line, always: bad lines get a warning on stderr, never a
@@ -62,17 +63,24 @@ def chunks(stream: BinaryIO, size: int) -> Iterator[list[str]]:
 
 
 def results(
-    translator: Translator, cfg: TranslateConfig, lines: list[str], first: int, prefixes: list[str] | None
+    translator: Translator,
+    cfg: TranslateConfig,
+    lines: list[str],
+    first: int,
+    prefixes: list[str] | None,
+    constraints: list[list[str]] | None,
 ) -> str:
-    """The output of input lines numbered from `first`, in cfg.output_format; prefixes: theirs
-    (target_prefix=FILE)."""
+    """The output of input lines numbered from `first`, in cfg.output_format; prefixes, constraints:
+    theirs (target_prefix=FILE, constraints=FILE); constraints_inline: each line's phrases after tabs."""
+    if cfg.constraints_inline:
+        fields = [line.split("\t") for line in lines]
+        lines, constraints = [f[0] for f in fields], [f[1:] for f in fields]
     if cfg.score is not None:
         references = split_input(_file(cfg.score, "score").read_bytes())
         found = [[t] if t is not None else [] for t in translator.score(lines, references)]
     else:
-        found = translator.translate_nbest(
-            lines, progress=cfg.input is not None, first=first, target_prefix=prefixes
-        )
+        progress = cfg.input is not None
+        found = translator.translate_nbest(lines, progress, first, None, prefixes, constraints)
     return "".join(
         format_line(cfg.output_format, first + i, line, h) for i, (line, h) in enumerate(zip(lines, found))
     )
@@ -82,24 +90,27 @@ def run(cfg: TranslateConfig) -> None:
     output = Path(cfg.output) if cfg.output is not None else None
     if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
         raise ConfigError(f"output={cfg.output} must be a file in an existing directory")
-    for name, key in ((cfg.input, "input"), (cfg.score, "score"), (cfg.target_prefix, "target_prefix")):
-        if name is not None:
+    for key in ("input", "score", "target_prefix", "constraints"):
+        if (name := getattr(cfg, key)) is not None:
             _file(name, key)  # before the checkpoints load
     interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
     prefixes = None if cfg.target_prefix is None else split_input(Path(cfg.target_prefix).read_bytes())
+    phrases = None if cfg.constraints is None else split_input(Path(cfg.constraints).read_bytes())
     lines = None if interactive and cfg.score is None else read_lines(cfg)  # before the checkpoints load
-    if prefixes is not None and (lines is None or len(prefixes) != len(lines)):
-        given = "interactive input" if lines is None else f"{len(lines)} input lines"
-        raise ConfigError(
-            f"target_prefix={cfg.target_prefix} has {len(prefixes)} lines for {given}: one per input line, "
-            "of input=FILE, text= or a piped file"
-        )
+    for given, key in ((prefixes, "target_prefix"), (phrases, "constraints")):
+        if given is not None and (lines is None or len(given) != len(lines)):
+            what = "interactive input" if lines is None else f"{len(lines)} input lines"
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)} has {len(given)} lines for {what}: one per input line, of "
+                "input=FILE, text= or a piped file"
+            )
+    constraints = None if phrases is None else [line.split("\t") for line in phrases]
     translator = Translator.from_checkpoint(cfg)
     with translator.packed():  # once for the session, not for every chunk of lines
         if lines is None:
             written, first = [], 0
             for lines in chunks(sys.stdin.buffer, cfg.buffer_size or 1):
-                text = results(translator, cfg, lines, first, prefixes)
+                text = results(translator, cfg, lines, first, prefixes, constraints)
                 first += len(lines)
                 if output is None:
                     sys.stdout.buffer.write(text.encode("utf-8"))
@@ -107,7 +118,7 @@ def run(cfg: TranslateConfig) -> None:
                 written.append(text)
             text = "".join(written)
         else:
-            text = results(translator, cfg, lines, 0, prefixes)
+            text = results(translator, cfg, lines, 0, prefixes, constraints)
             if output is None:
                 sys.stdout.buffer.write(text.encode("utf-8"))
                 sys.stdout.flush()

@@ -216,9 +216,11 @@ def test_a_request_may_ask_for_each_hypothesis_alignment(server):
 
 
 def test_a_requests_cost_counts_the_output_a_target_prefix_forces_and_the_alignment_pass():
-    """Source pieces x rows x output limit: a |X| + b = 52 for 2 pieces, or the prefix's 1,000 + EOS."""
+    """Source pieces x rows x output limit: a |X| + b = 52 for 2 pieces, or the prefix's 1,000 + EOS,
+    then + the constraints' pieces."""
     assert request_cost([[5, 3]], SearchConfig(), attention=False) == 2 * 4 * 52
-    assert request_cost([[5, 3]], SearchConfig(), attention=False, prefixes=[1000]) == 2 * 4 * 1001
+    assert request_cost([[5, 3]], SearchConfig(), attention=False, grown=[(1000, 0)]) == 2 * 4 * 1001
+    assert request_cost([[5, 3]], SearchConfig(), attention=False, grown=[(1000, 7)]) == 2 * 4 * 1008
     assert request_cost([[5, 3]], SearchConfig(nbest=3, alignment=True), attention=False) == 2 * 4 * 52 * 3
 
 
@@ -311,3 +313,23 @@ def test_an_interactive_translate_session_packs_the_weights_once(packings, monke
         assert len(out.read_text().splitlines()) == len(lines)
         counts.append(len(packings))
     assert counts[0] > 0 and counts[1] == 2 * counts[0]  # one packing per session
+
+
+def test_constraints_per_line_are_in_every_translation(server):
+    phrases = [["Katze"], ["Vogel", "Frau"]]
+    status, answer = server.translate({"text": LINES, "constraints": phrases, "nbest": 2})
+    assert status == 200, answer
+    expected = Translator.from_checkpoint(CHECKPOINT, device="cpu", nbest=2).translate_nbest(
+        LINES, constraints=phrases
+    )
+    got = [[h["text"] for h in t["hypotheses"]] for t in answer["translations"]]
+    assert status == 200 and got == [[h.text for h in hs] for hs in expected]
+    assert all(all(p in text for p in wanted) for wanted, texts in zip(phrases, got) for text in texts)
+    status, one = server.translate({"text": LINES[0], "constraints": ["Katze"]})
+    assert status == 200 and "Katze" in one["translations"][0]["hypotheses"][0]["text"]
+    status, refused = server.translate({"text": LINES, "constraints": [["Katze"]]})
+    assert status == 400 and '2 lines but 1 in "constraints"' in refused["error"]
+    status, refused = server.translate({"text": LINES[0], "constraints": ["Katze"], "sampling": True})
+    assert status == 400 and "constraints shape a search: not with sampling=true" in refused["error"]
+    status, refused = server.translate({"text": LINES, "constraints": "Katze"})
+    assert status == 400 and '"constraints" must be a list of phrases per line' in refused["error"]

@@ -610,6 +610,9 @@ class TranslateConfig(DecodeConfig):
         None  # a file of given translations, a line per input line, to score instead of search
     )
     target_prefix: str | None = None  # a file of what each output starts with, a line per input line
+    # a file of the phrases each output contains, a line per input line, phrases separated by tabs
+    constraints: str | None = None
+    constraints_inline: bool = False  # the phrases follow the source on its input line, after tabs (fairseq)
     buffer_size: int | None = None  # translate and write each N lines as they arrive; None: 1 from a terminal
 
     def check(self) -> None:
@@ -631,6 +634,13 @@ class TranslateConfig(DecodeConfig):
             raise ConfigError("score=FILE scores the translations given: not with sampling=true")
         if self.score is not None and self.target_prefix is not None:
             raise ConfigError("score=FILE scores the translations given: not with target_prefix=FILE")
+        constrained = self.constraints is not None or self.constraints_inline
+        if self.constraints is not None and self.constraints_inline:
+            raise ConfigError(
+                "constraints=FILE or constraints_inline=true: the phrases come from one of them"
+            )
+        if constrained and (self.sampling or self.score is not None):
+            raise ConfigError("constraints shape a search: not with sampling=true or score=FILE")
         if self.alignment and self.output_format == "text":
             raise ConfigError(
                 "alignment=true writes each translation's alignment: choose output_format=jsonl or "

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from transformer.config import SearchConfig
 from transformer.decoding.cache import DecoderCache
+from transformer.decoding.constraints import Constraints, advanced, allocate, offered
 from transformer.decoding.scoring import (
     NEG_INF,
     Ensemble,
@@ -150,6 +151,9 @@ class _Beams:
     best_eos: Tensor  # (N, n) bool: ended in EOS (else cut at the limit)
     done: Tensor  # (N,) bool: the sentence's result is final
     prefix: Tensor  # (N, P) each sentence's forced first tokens (target_prefix), padded with PAD_ID
+    constraints: Constraints | None  # each sentence's phrases (decoding/constraints.py)
+    met: Tensor  # (N * k, M) bool: the constraint tokens each live hypothesis has met
+    inside: Tensor  # (N * k,) the position of the next token of the phrase it is inside, else -1
     reorder: Tensor  # (N * k,) the row each row of the last step extends (the cache's reorder)
 
     @classmethod
@@ -163,6 +167,7 @@ class _Beams:
         limit: int,
         keys: Tensor,
         prefix: Tensor,
+        constraints: Constraints | None,
     ) -> _Beams:
         """One live hypothesis per sentence, [BOS], and the other k - 1 rows impossible until step 1 (a
         search); or all k rows live (`keys` given: sampling). prefix (B, P): forced first tokens."""
@@ -187,6 +192,14 @@ class _Beams:
             best_eos=torch.zeros(b, n, dtype=torch.bool, device=device),
             done=torch.zeros(b, dtype=torch.bool, device=device),
             prefix=prefix,
+            constraints=constraints,
+            met=torch.zeros(
+                b * k,
+                0 if constraints is None else constraints.tokens.size(1),
+                dtype=torch.bool,
+                device=device,
+            ),
+            inside=torch.full((b * k,), -1, dtype=torch.long, device=device),
             reorder=torch.arange(b * k, device=device),
         )
 
@@ -241,8 +254,13 @@ class _Beams:
     def keep(self, sentences: Tensor, k: int) -> _Beams:
         """Only `sentences` (n,) stay, with their rows (n * k,)."""
         rows = (sentences[:, None] * k + torch.arange(k, device=sentences.device)).view(-1)  # (n * k,)
-        per_row = ("keys", "last", "tokens", "token_scores", "reorder")
-        kept = {f.name: getattr(self, f.name)[rows if f.name in per_row else sentences] for f in fields(self)}
+        per_row = ("keys", "last", "tokens", "token_scores", "reorder", "met", "inside")
+        kept = {
+            f.name: None
+            if getattr(self, f.name) is None
+            else getattr(self, f.name)[rows if f.name in per_row else sentences]
+            for f in fields(self)
+        }
         return _Beams(**kept)
 
 
@@ -260,11 +278,16 @@ class BeamSearch:
         min_len: int = 0,
         sentence_ids: Tensor | None = None,
         prefix: Tensor | None = None,
+        constraints: list[list[list[int]]] | None = None,
     ) -> None:
         """src (B, S): rows of pieces + [EOS], padded with PAD_ID; search: the beam (or samples), the
         length penalty, the output limit L = a |X| + b; sentence_ids (B,): the sentences' numbers in the
         whole input, which fix their samples' draws (default: their rows); prefix (B, P): the first
-        tokens of every output (target_prefix), padded with PAD_ID; the limit grows to hold them."""
+        tokens of every output (target_prefix), padded with PAD_ID; constraints: per sentence the
+        phrases (token ids) every output contains (dynamic shapes only, no sampling); the limit grows to
+        hold both."""
+        if constraints is not None and (static or search.sampling):
+            raise ValueError("constraints take the search in dynamic shapes: not static=True nor sampling")
         k, alpha = search.width, search.ranking_alpha
         nbest = k if search.sampling else search.nbest  # every sample is kept
         self.model, self.k, self.alpha, self.min_len, self.static = model, k, alpha, min_len, static
@@ -276,6 +299,9 @@ class BeamSearch:
         limits = max_output_lengths(src_mask, search.max_len_a, search.max_len_b, positions)  # (B,)
         prefix = src.new_zeros(b, 0) if prefix is None else prefix.to(src.device)
         limits = torch.maximum(limits, (prefix != PAD_ID).sum(dim=1) + 1).clamp(max=positions)  # + EOS
+        cons = None if constraints is None else Constraints.of(constraints, src.device)
+        if cons is not None:
+            limits = (limits + cons.count).clamp(max=positions)  # room for the phrases' tokens
         limit = int(limits.max())
         self.caches = [
             DecoderCache(m, m.encode(src, src_mask), src_mask, b * k, limit, static) for m in self.models
@@ -284,7 +310,7 @@ class BeamSearch:
         if search.sampling:
             ids = torch.arange(b, device=src.device) if sentence_ids is None else sentence_ids.to(src.device)
             keys = sample_keys(search.seed, ids, k)
-        self.beams = _Beams.start(src, limits, k, nbest, alpha, limit, keys, prefix)
+        self.beams = _Beams.start(src, limits, k, nbest, alpha, limit, keys, prefix, cons)
         self.results = _Results(b)
 
     @property
@@ -307,6 +333,10 @@ class BeamSearch:
         n = beams.scores.size(0)
         at_limit = beams.max_len[:, None] == step  # (N, 1)
         cut = torch.where(at_limit, live_scores / penalty, NEG_INF)  # (N, k): finished as they stand
+        if beams.constraints is not None:  # the complete only; where none is, the best found
+            complete = beams.constraints.complete(beams.met, beams.inside, k).view(n, k)
+            none = (beams.best[:, :1] == NEG_INF) & ~(complete & (cut > NEG_INF)).any(dim=1, keepdim=True)
+            cut = torch.where(complete | none, cut, NEG_INF)
         if self.sampling is None:
             cut_scores, cut_pick = cut.topk(beams.best.size(1), dim=1)  # (N, n), best first
             for j in range(cut_pick.size(1)):
@@ -326,6 +356,8 @@ class BeamSearch:
         """Beam search's step: rank the extensions, finish the EOS endings among the k best, extend the
         k best others. Returns the new live scores (N, k) and the row each row extends (N * k,)."""
         beams, k = self.beams, self.k
+        if beams.constraints is not None:
+            return self._search_constrained(states, step, penalty)
         repeats = self._repeats(step)
         own = None  # the chosen tokens' own log-probabilities, where the ranking's differ
         if len(self.models) == 1 and repeats is None and not beams.prefix.numel():
@@ -342,6 +374,52 @@ class BeamSearch:
         for j in range(beams.best.size(1)):  # the n best EOS endings, best first (EOS itself is not output)
             beams.finish(eos_scores[:, j], eos_rows[:, j], step - 1, eos_token_scores[:, j])
         beams.extend(reorder, new_token, new_score, step)
+        return live_scores, reorder
+
+    def _search_constrained(
+        self, states: list[Tensor], step: Tensor, penalty: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """`_search` under hard constraints (decoding/constraints.py): each row's 2k best next tokens and
+        those that advance its constraints; EOS only where every phrase is met; an EOS among the k best
+        finishes its hypothesis, and the k live ones are allocated across the banks of constraint
+        tokens met."""
+        beams, k, cons = self.beams, self.k, self.beams.constraints
+        args = (states, self.model, step, self.min_len, self.linear, self._repeats(step))
+        log_probs, own = next_log_probs(*args)  # (R, V) twice, R = N * k
+        log_probs = force_prefix(log_probs, own, beams.prefix, step, k)
+        complete = cons.complete(beams.met, beams.inside, k)  # (R,)
+        eos = torch.arange(log_probs.size(1), device=log_probs.device) == EOS_ID
+        log_probs = log_probs.masked_fill(eos & ~complete[:, None], NEG_INF)
+        best, tokens = log_probs.topk(min(2 * k, log_probs.size(1)))  # (R, 2k)
+        extra = offered(cons, beams.met, beams.inside, k)  # (R, M)
+        repeated = (extra[:, :, None] == tokens[:, None, :]).any(dim=2) | (extra == PAD_ID)
+        tokens = torch.cat([tokens, extra], dim=1)  # (R, m)
+        # a phrase's pieces are the user's: their own log-probabilities (no repetition control bans them)
+        scores = torch.cat([best, own.gather(1, extra).masked_fill(repeated, NEG_INF)], dim=1)  # (R, m)
+        met, inside = advanced(cons, beams.met, beams.inside, tokens, k)  # (R, m, M), (R, m)
+        n, m = beams.scores.size(0), tokens.size(1)
+        candidates = (beams.scores.view(-1, 1) + scores).view(n, k * m)  # (N, k m)
+        is_eos = (tokens == EOS_ID).view(n, k * m)
+        flat_own = own.gather(1, tokens).view(n, k * m)
+        offset = torch.arange(n, device=tokens.device)[:, None] * (k * m)
+        # EOS endings among the k best candidates finish their hypotheses, best first
+        top, top_index = candidates.topk(k, dim=1)  # (N, k)
+        ending = torch.where(is_eos.gather(1, top_index), top, NEG_INF) / penalty
+        eos_scores, order = ending.sort(dim=1, descending=True, stable=True)
+        eos_index = top_index.gather(1, order)  # (N, k)
+        eos_rows = (offset + eos_index) // m
+        eos_token_scores = flat_own.gather(1, eos_index)
+        for j in range(beams.best.size(1)):
+            beams.finish(eos_scores[:, j], eos_rows[:, j], step - 1, eos_token_scores[:, j])
+        # the live ones, by dynamic beam allocation over the banks of constraint tokens met
+        live = candidates.masked_fill(is_eos, NEG_INF)
+        pick = allocate(live, met.sum(dim=2).view(n, k * m), k, cons.count)  # (N, k)
+        chosen = (offset + pick).view(-1)  # (N * k,) into the flat (R * m) candidates
+        live_scores = live.gather(1, pick)
+        reorder = chosen // m
+        beams.met = met.flatten(0, 1)[chosen]
+        beams.inside = inside.flatten()[chosen]
+        beams.extend(reorder, tokens.flatten()[chosen][:, None], flat_own.flatten()[chosen], step)
         return live_scores, reorder
 
     def _sample(self, states: list[Tensor], step: Tensor, penalty: Tensor) -> tuple[Tensor, Tensor]:
@@ -407,14 +485,16 @@ def beam_search(
     linear: Linear = F.linear,
     sentence_ids: Tensor | None = None,
     prefix: Tensor | None = None,
+    constraints: list[list[list[int]]] | None = None,
 ) -> SearchResult:
     """The search of `search` (default: §6.1's, beam 4 with the GNMT length penalty; a beam of 1 is
     greedy search), batched over the sentences of src (B, S): rows of pieces + [EOS], padded with
     PAD_ID; the `nbest` best hypotheses per sentence, or `nbest` samples. EOS is held back through step
     `min_len` (benchmarks that force an output length). `static`: in static shapes; `graphs` (default:
     on CUDA) with every step after the first a CUDA graph replay. `linear` makes the output projection
-    (`kernels.Products`). sentence_ids, prefix: as `BeamSearch` takes them."""
-    run = BeamSearch(model, src, search or SearchConfig(), static, linear, min_len, sentence_ids, prefix)
+    (`kernels.Products`). sentence_ids, prefix, constraints: as `BeamSearch` takes them."""
+    search = search or SearchConfig()
+    run = BeamSearch(model, src, search, static, linear, min_len, sentence_ids, prefix, constraints)
     graphs = (static and src.is_cuda) if graphs is None else graphs
     if graphs and not (static and src.is_cuda):
         raise ValueError("CUDA graphs need static=True and the model and src on a CUDA device")

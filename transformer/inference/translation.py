@@ -89,6 +89,7 @@ class Translator:
         self.max_positions = min(m.cfg.max_positions for m in self.models)
         self.max_source_tokens(cfg.search)  # a limit that leaves no room for a source fails now
         self._splitter: SentenceSplitter | None = None  # made when a line first needs it
+        self._said_dynamic = False  # the log said that constraints take the dynamic search
 
     def max_source_tokens(self, search: SearchConfig) -> int:
         """The longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b
@@ -198,12 +199,12 @@ class Translator:
         src: torch.Tensor,
         search: SearchConfig | None = None,
         sentence_ids: torch.Tensor | None = None,
-        prefix: torch.Tensor | None = None,
+        guides: list[Guide] | None = None,
     ) -> SearchResult:
         """The search on a padded batch (B, S) (default: the settings'): beam search as in §6.1
         (beam_size=1: greedy, without length penalty) with its `nbest` best, or `nbest` samples; with
-        cuda_graphs, in static shapes and CUDA graphs. sentence_ids (B,): the lines' numbers (sampling's
-        draws); prefix (B, P): each output's forced first pieces, padded."""
+        cuda_graphs, in static shapes and CUDA graphs (in dynamic ones under constraints). sentence_ids
+        (B,): the lines' numbers (sampling's draws); guides: each line's prefix and phrases."""
         cfg = self.cfg
         model = (
             self.model
@@ -211,14 +212,21 @@ class Translator:
             else Ensemble(self.models, cfg.weights or [1.0] * len(self.models))
         )
         linear, search = self.kernels.products, search or cfg.search
+        prefix = padded([g.prefix for g in guides]).to(src.device) if guides else None  # (B, P)
+        constraints = [g.phrases for g in guides] if guides and any(g.phrases for g in guides) else None
+        if constraints is not None and cfg.cuda_graphs and not self._said_dynamic:
+            log.info("constraints: the search runs in dynamic shapes, without CUDA graphs")
+            self._said_dynamic = True
+        static = cfg.cuda_graphs and constraints is None
         return beam_search(
             model,
             src,
             search,
-            static=cfg.cuda_graphs,
+            static=static,
             linear=linear,
             sentence_ids=sentence_ids,
             prefix=prefix,
+            constraints=constraints,
         )
 
     def search_all(
@@ -227,11 +235,11 @@ class Translator:
         progress: bool = False,
         first: int | list[int] = 0,
         search: SearchConfig | None = None,
-        prefixes: list[list[int]] | None = None,
+        guides: list[Guide] | None = None,
     ) -> list[list[Hypothesis]]:
         """The hypotheses of each source; sources are batched by length and results put back in order.
         first: the number of the first source in the whole input, or each source's number (sampling
-        draws by line number); prefixes: each output's forced first pieces (target_prefix)."""
+        draws by line number); guides: each source's prefix and phrases."""
         numbers = torch.tensor(first) if isinstance(first, list) else first + torch.arange(len(sources))
         outputs: list[list[Hypothesis]] = [[] for _ in sources]
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
@@ -240,8 +248,8 @@ class Translator:
             lengths, cfg = [len(ids) for ids in sources], self.cfg
             for batch in _batches(todo, lengths, cfg.max_tokens, cfg.max_sentences):
                 src = padded([sources[i] for i in batch])  # (B, S)
-                prefix = padded([prefixes[i] for i in batch]).to(self.device) if prefixes else None  # (B, P)
-                result = self.search(src.to(self.device), search, numbers[batch], prefix)
+                guided = [guides[i] for i in batch] if guides else None
+                result = self.search(src.to(self.device), search, numbers[batch], guided)
                 for i, hypotheses in zip(batch, result.hypotheses):
                     outputs[i] = hypotheses
                 bar.update(len(batch))
@@ -259,13 +267,15 @@ class Translator:
         progress: bool = False,
         search: SearchConfig | None = None,
         target_prefix: list[str] | str | None = None,
+        constraints: list[list[str]] | list[str] | None = None,
     ) -> list[str] | str:
         """One output line per input line, the best (line breaks inside a translation become spaces);
-        for one line given as a string, its translation. target_prefix: what each must start with."""
+        for one line given as a string, its translation. target_prefix, constraints: as
+        `translate_nbest` takes them."""
         one, lines = _lines(lines)
         search = dataclasses.replace(search or self.cfg.search, alignment=False)  # text alone: none needed
-        prefixes = self.encode_prefixes(lines, target_prefix)
-        nbest = self.nbest_of(self.encode(lines, search), progress, search=search, prefixes=prefixes)
+        constraints = _per_line(one, constraints)
+        nbest = self.translate_nbest(lines, progress, 0, search, target_prefix, constraints)
         translations = [hypotheses[0].text if hypotheses else "" for hypotheses in nbest]
         return translations[0] if one else translations
 
@@ -276,29 +286,54 @@ class Translator:
         first: int | list[int] = 0,
         search: SearchConfig | None = None,
         target_prefix: list[str] | str | None = None,
+        constraints: list[list[str]] | list[str] | None = None,
     ) -> list[list[Translation]] | list[Translation]:
         """Per input line its `nbest` hypotheses (or samples), best first; none for an empty line (for
         one line given as a string, its hypotheses). first: the number of the first line in the whole
         input, or each line's number (sampling draws by line number); target_prefix: per line (or for
-        the one line) the text every hypothesis starts with, "" for none."""
+        the one line) the text every hypothesis starts with, "" for none; constraints: per line (or for
+        the one line) the phrases every hypothesis contains."""
         one, lines = _lines(lines)
-        prefixes = self.encode_prefixes(lines, target_prefix)
-        nbest = self.nbest_of(self.encode(lines, search), progress, first, search, prefixes)
+        constraints = _per_line(one, constraints)
+        guides = self.guides(lines, target_prefix, constraints, search)
+        search = search or self.cfg.search
+        if constraints is not None:  # a phrase is the whole line's: a line too long is not split
+            search = dataclasses.replace(search, long_inputs="truncate")
+        nbest = self.nbest_of(self.encode(lines, search), progress, first, search, guides)
         return nbest[0] if one else nbest
 
-    def encode_prefixes(
-        self, lines: list[str], target_prefix: list[str] | str | None
-    ) -> list[list[int]] | None:
-        """The pieces of each line's target prefix (none for ""), or None without prefixes; a count
-        other than the lines' is refused."""
-        if target_prefix is None:
+    def guides(
+        self,
+        lines: list[str],
+        target_prefix: list[str] | str | None = None,
+        constraints: list[list[str]] | None = None,
+        search: SearchConfig | None = None,
+    ) -> list[Guide] | None:
+        """Each line's `Guide`: the pieces of its target prefix ("": none) and of its phrases; None
+        without either. Counts other than the lines', phrases with sampling (of `search`, default the
+        settings'), and phrases that leave no room in the model's positions are refused."""
+        if target_prefix is None and constraints is None:
             return None
-        prefixes = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix)
-        if len(prefixes) != len(lines) or not all(isinstance(p, str) for p in prefixes):
-            raise ConfigError(
-                f"{len(lines)} input lines but {len(prefixes)} target prefixes: one string per line"
-            )
-        return [self.tokenizer.encode(prefix) if prefix.strip() else [] for prefix in prefixes]
+        prefixes = [target_prefix] if isinstance(target_prefix, str) else target_prefix or [""] * len(lines)
+        phrases = constraints if constraints is not None else [[]] * len(lines)
+        for given, what in ((prefixes, "target prefixes"), (phrases, "lines of constraints")):
+            if len(given) != len(lines):
+                raise ConfigError(f"{len(lines)} input lines but {len(given)} {what}: one per line")
+        if constraints is not None and (search or self.cfg.search).sampling:
+            raise ConfigError("constraints shape a search: not with sampling=true")
+        encode = self.tokenizer.encode
+        guides = [
+            Guide(encode(p) if p.strip() else [], [encode(c) for c in cs if c.strip()])
+            for p, cs in zip(prefixes, phrases)
+        ]
+        for number, guide in enumerate(guides, start=1):
+            pieces = len(guide.prefix) + sum(map(len, guide.phrases))
+            if pieces >= self.max_positions:
+                raise ConfigError(
+                    f"line {number}: its target prefix and constraints take {pieces} pieces; an output of "
+                    f"this model holds at most {self.max_positions - 1}"
+                )
+        return guides
 
     def nbest_of(
         self,
@@ -306,11 +341,11 @@ class Translator:
         progress: bool = False,
         first: int | list[int] = 0,
         search: SearchConfig | None = None,
-        prefixes: list[list[int]] | None = None,
+        guides: list[Guide] | None = None,
     ) -> list[list[Translation]]:
-        """`translate_nbest` of lines encoded already (`encode`'s sources; `encode_prefixes`' prefixes,
-        which a line in parts forces on its first). A line in parts: its i-th hypothesis joins its parts'
-        i-th, their scores, log-probabilities and pieces (each "</s>" too) added up, and their alignments
+        """`translate_nbest` of lines encoded already (`encode`'s sources; `guides`' guides, whose prefix a
+        line in parts forces on its first). A line in parts: its i-th hypothesis joins its parts' i-th,
+        their scores, log-probabilities and pieces (each "</s>" too) added up, and their alignments
         (`joined`)."""
         search = search or self.cfg.search
         numbers = [first + i for i in range(len(sources))] if isinstance(first, int) else first
@@ -319,12 +354,10 @@ class Translator:
             n if j == 0 else -((n << 20) + j) for n, parts in zip(numbers, sources) for j in range(len(parts))
         ]
         flat = [part for parts in sources for part in parts]
-        forced = None
-        if prefixes is not None:
+        forced = None  # each part's guide: a line's prefix is its first part's
+        if guides is not None:
             forced = [
-                prefix if j == 0 else []
-                for prefix, parts in zip(prefixes, sources)
-                for j in range(len(parts))
+                g if j == 0 else Guide([], []) for g, parts in zip(guides, sources) for j in range(len(parts))
             ]
         found = [
             [h for h in hypotheses if h.token_log_probs]
@@ -401,6 +434,15 @@ class Translator:
         return Translation(self.text(h.tokens), h.score, h.log_prob, pieces, h.token_log_probs, alignment)
 
 
+@dataclass
+class Guide:
+    """What a line's translations must hold: its first pieces (target_prefix) and phrases, each in the
+    output whole (constraints)."""
+
+    prefix: list[int]
+    phrases: list[list[int]]
+
+
 def _joined(parts: tuple[Translation, ...]) -> Translation:
     """The translations of a line's parts as the line's: texts joined by a space, the rest added up."""
     return Translation(
@@ -440,6 +482,13 @@ def _lines(lines: list[str] | str) -> tuple[bool, list[str]]:
     if not isinstance(lines, (list, tuple)) or not all(isinstance(line, str) for line in lines):
         raise TypeError(f"lines must be a list of strings (or one string), not {type(lines).__name__}")
     return False, list(lines)
+
+
+def _per_line(one: bool, constraints: list[list[str]] | list[str] | None) -> list[list[str]] | None:
+    """Constraints per line: for one line given as a string, its phrases may come as one list."""
+    if one and constraints is not None and all(isinstance(c, str) for c in constraints):
+        return [constraints]
+    return constraints
 
 
 def padded(rows: list[list[int]]) -> torch.Tensor:

@@ -38,6 +38,7 @@ class Request:
     attention: bool
     attention_layer: int | None
     target_prefix: list[str] | None = None  # per line, what its translations start with
+    constraints: list[list[str]] | None = None  # per line, the phrases its translations contain
 
 
 def parse_request(body: bytes, cfg: ServeConfig, base: SearchConfig) -> Request:
@@ -52,7 +53,7 @@ def parse_request(body: bytes, cfg: ServeConfig, base: SearchConfig) -> Request:
         raise BadRequest("the body is not JSON this server reads: nested too deeply") from None
     if not isinstance(request, dict):
         raise BadRequest('the body must be a JSON object: {"text": [...]}')
-    fields = ["text", "target_prefix", "attention", "attention_layer", *SETTINGS]
+    fields = ["text", "target_prefix", "constraints", "attention", "attention_layer", *SETTINGS]
     unknown = sorted(set(request) - set(fields))
     if unknown:
         raise BadRequest(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(fields)}")
@@ -62,6 +63,19 @@ def parse_request(body: bytes, cfg: ServeConfig, base: SearchConfig) -> Request:
         prefixes = _lines(request["target_prefix"], "target_prefix", cfg)
         if len(prefixes) != len(lines):
             raise BadRequest(f'{len(lines)} lines but {len(prefixes)} in "target_prefix": one per line')
+    constraints = None
+    if "constraints" in request:
+        given = request["constraints"]
+        one = (
+            isinstance(request.get("text"), str)
+            and isinstance(given, list)
+            and all(isinstance(c, str) for c in given)
+        )
+        constraints = [_lines(phrases, "constraints", cfg) for phrases in ([given] if one else _list(given))]
+        if len(constraints) != len(lines):
+            raise BadRequest(
+                f'{len(lines)} lines but {len(constraints)} in "constraints": a list of phrases per line'
+            )
     try:
         search = from_dict(SearchConfig, to_dict(base) | {k: request[k] for k in SETTINGS if k in request})
     except ConfigError as error:
@@ -71,7 +85,7 @@ def parse_request(body: bytes, cfg: ServeConfig, base: SearchConfig) -> Request:
         raise BadRequest('"attention" must be true or false')
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
         raise BadRequest('"attention_layer" must be a whole number')
-    return Request(lines, search, attention, layer, prefixes)
+    return Request(lines, search, attention, layer, prefixes, constraints)
 
 
 def _lines(value: Any, field: str, cfg: ServeConfig) -> list[str]:
@@ -97,6 +111,14 @@ def _lines(value: Any, field: str, cfg: ServeConfig) -> list[str]:
     return [" ".join(line.splitlines()) for line in lines]
 
 
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise BadRequest(
+            '"constraints" must be a list of phrases per line (for one "text", a list of phrases)'
+        )
+    return value
+
+
 def _not_unicode(line: str) -> bool:
     """Whether JSON's escapes made a string no UTF-8 can hold (a lone surrogate)."""
     try:
@@ -107,14 +129,18 @@ def _not_unicode(line: str) -> bool:
 
 
 def request_cost(
-    sources: list[list[int]], search: SearchConfig, attention: bool, prefixes: list[int] | None = None
+    sources: list[list[int]],
+    search: SearchConfig,
+    attention: bool,
+    grown: list[tuple[int, int]] | None = None,
 ) -> int:
     """What a request asks of the model: per source, its pieces x the rows decoded (the beam, or the
-    samples) x its output limit (grown to hold its target prefix of prefixes' pieces), x nbest again
-    where each hypothesis's attention is drawn or it is aligned."""
+    samples) x its output limit (grown to hold its target prefix, then its constraints: grown's
+    (prefix pieces, phrase pieces)), x nbest again where each hypothesis's attention is drawn or it is
+    aligned."""
     cost, again = 0, search.nbest if attention or search.alignment else 1
-    for ids, forced in zip(sources, prefixes or [0] * len(sources)):
-        limit = max(int(search.max_len_a * len(ids) + search.max_len_b), forced + 1)
+    for ids, (prefix, phrases) in zip(sources, grown or [(0, 0)] * len(sources)):
+        limit = max(int(search.max_len_a * len(ids) + search.max_len_b), prefix + 1) + phrases
         cost += len(ids) * search.width * limit * again
     return cost
 
@@ -129,7 +155,11 @@ def openapi(cfg: ServeConfig) -> dict[str, Any]:
     line = {"type": "string", "maxLength": cfg.max_chars}
     text = {"oneOf": [line, {"type": "array", "items": line, "maxItems": cfg.max_lines}]}
     attention = {"attention": BOOLEAN | {"default": False}, "attention_layer": OPTIONAL_INTEGER}
-    request = _object(["text"], text=text, target_prefix=text, **settings, **attention)
+    phrases = {"type": "array", "items": line, "maxItems": cfg.max_lines}
+    constraints = {"oneOf": [phrases, {"type": "array", "items": phrases, "maxItems": cfg.max_lines}]}
+    request = _object(
+        ["text"], text=text, target_prefix=text, constraints=constraints, **settings, **attention
+    )
     request |= {"additionalProperties": False}
     hypothesis = _object(
         ["text", "score", "log_prob", "pieces", "token_log_probs"],

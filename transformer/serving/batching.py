@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformer.inference.translation import Guide
 from transformer.serving.api import Request
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class Job:
     sources: list[list[list[int]]]  # each line's sources (pieces + EOS; parts of a long line), as encoded
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    prefixes: list[list[int]] | None = None  # each line's forced first pieces (target_prefix)
+    guides: list[Guide] | None = None  # each line's target prefix and constraints, as pieces
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None
     dropped: bool = False  # the client left or its time ran out: not run, not answered

@@ -21,6 +21,7 @@ what the drain's end cuts off, and a second signal, stop it at once with exit st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from transformer.config import ConfigError, ServeConfig
 from transformer.inference.formats import translation_dict
-from transformer.inference.translation import Translator
+from transformer.inference.translation import Guide, Translator
 from transformer.inference.visualize import attention_weights
 from transformer.serving.api import BadRequest, openapi, parse_request, request_cost
 from transformer.serving.batching import Batcher, Job, QueueFull
@@ -118,11 +119,11 @@ class Service:
         self.metrics.batch.observe(len(jobs))
         sources = [parts for job in jobs for parts in job.sources]
         numbers = [i for job in jobs for i in range(len(job.request.lines))]  # each request's own samples
-        prefixes = [prefix for job in jobs for prefix in job.prefixes or [[]] * len(job.sources)]
-        forced = prefixes if any(prefixes) else None
+        guides = [g for job in jobs for g in job.guides or [Guide([], [])] * len(job.sources)]
+        guided = guides if any(job.guides for job in jobs) else None
         try:
             found = self.translator.nbest_of(
-                sources, first=numbers, search=jobs[0].request.search, prefixes=forced
+                sources, first=numbers, search=jobs[0].request.search, guides=guided
             )
         except (ConfigError, ValueError) as error:
             for job in jobs:
@@ -177,18 +178,28 @@ class Service:
             translator.max_source_tokens(parsed.search)  # an output limit that leaves no room for a source
         except ConfigError as error:
             raise BadRequest(str(error)) from None
+        try:
+            guides = translator.guides(parsed.lines, parsed.target_prefix, parsed.constraints, parsed.search)
+        except ConfigError as error:
+            raise BadRequest(str(error)) from None
+        # a phrase is the whole line's: a line with constraints too long is not split
+        whole = (
+            dataclasses.replace(parsed.search, long_inputs="truncate")
+            if parsed.constraints
+            else parsed.search
+        )
         if sum(map(len, parsed.lines)) <= INLINE_CHARS:  # as quick as a hop to a thread
-            sources = translator.encode(parsed.lines, parsed.search)
+            sources = translator.encode(parsed.lines, whole)
         else:
-            sources = await run_in_threadpool(translator.encode, parsed.lines, parsed.search)
-        prefixes = translator.encode_prefixes(parsed.lines, parsed.target_prefix)
-        forced = [
-            len(p) if j == 0 else 0
-            for p, parts in zip(prefixes or [[]] * len(sources), sources)
+            sources = await run_in_threadpool(translator.encode, parsed.lines, whole)
+        each = guides or [Guide([], [])] * len(sources)
+        grown = [
+            (len(g.prefix), sum(map(len, g.phrases))) if j == 0 else (0, 0)
+            for g, parts in zip(each, sources)
             for j in range(len(parts))
         ]
         flat = [part for parts in sources for part in parts]
-        cost = request_cost(flat, parsed.search, parsed.attention, forced)
+        cost = request_cost(flat, parsed.search, parsed.attention, grown)
         if cost > self.cfg.max_request_cost:
             raise BadRequest(
                 f"this request costs {cost:,} (source pieces x beam or samples x output limit, x nbest "
@@ -198,7 +209,7 @@ class Service:
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             )
         loop = asyncio.get_running_loop()
-        job = Job(request.state.id, parsed, sources, loop.create_future(), loop, prefixes)
+        job = Job(request.state.id, parsed, sources, loop.create_future(), loop, guides)
         try:
             self.batcher.submit(job)
         except QueueFull:
