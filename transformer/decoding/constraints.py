@@ -6,9 +6,9 @@ constraint: the next token of the phrase it is inside, or else the first token o
 met. The candidates are grouped in banks by the constraint tokens they have met, and the k live
 hypotheses are allocated across the banks, k // banks each (the rest to the fullest banks that have
 candidates, so that even a beam of 1 meets every phrase), the unused slots going to the best of the
-others; so hypotheses that meet constraints survive beside the most
-probable ones. A phrase left before its end is undone. EOS is allowed only once every phrase is met;
-a sentence whose search meets them nowhere within its output limit keeps the best it found.
+others; so hypotheses that meet constraints survive beside the most probable ones. A phrase left before
+its end is undone. EOS is allowed only once every phrase is met; a sentence whose search meets them
+nowhere within its output limit keeps the best it found.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import torch
 from torch import Tensor
 
 from transformer.vocab import PAD_ID
-
-NEG_INF = float("-inf")
 
 
 @dataclass

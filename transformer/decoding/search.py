@@ -354,13 +354,14 @@ class BeamSearch:
 
     def _search(self, states: list[Tensor], step: Tensor, penalty: Tensor) -> tuple[Tensor, Tensor]:
         """Beam search's step: rank the extensions, finish the EOS endings among the k best, extend the
-        k best others. Returns the new live scores (N, k) and the row each row extends (N * k,)."""
+        k best others (under constraints, allocated across the banks of constraint tokens met). Returns
+        the new live scores (N, k) and the row each row extends (N * k,)."""
         beams, k = self.beams, self.k
+        repeats, own, banks = self._repeats(step), None, None  # own: the tokens' own log-probabilities
         if beams.constraints is not None:
-            return self._search_constrained(states, step, penalty)
-        repeats = self._repeats(step)
-        own = None  # the chosen tokens' own log-probabilities, where the ranking's differ
-        if len(self.models) == 1 and repeats is None and not beams.prefix.numel():
+            (log_probs, tokens, own), (met, inside) = self._constrained_candidates(states, step)
+            chosen, banks = (log_probs, tokens), met.sum(dim=2)
+        elif len(self.models) == 1 and repeats is None and not beams.prefix.numel():
             weight = self.models[0].embed.weight
             chosen = best_next_tokens(states[0], weight, step, self.min_len, 2 * k, self.linear)
         else:
@@ -369,23 +370,26 @@ class BeamSearch:
             log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, k)
             chosen = log_probs.topk(min(2 * k, log_probs.size(-1)))
             own = own_log_probs.gather(1, chosen[1]) if repeats is not None else None
-        ranked = rank_extensions(beams.scores, *chosen, k, penalty, own)  # of the 2k best next tokens per row
-        live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores = ranked
+        levels = None if banks is None else beams.constraints.count
+        ranked = rank_extensions(beams.scores, *chosen, k, penalty, own, banks, levels)
+        live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores, picked = ranked
         for j in range(beams.best.size(1)):  # the n best EOS endings, best first (EOS itself is not output)
             beams.finish(eos_scores[:, j], eos_rows[:, j], step - 1, eos_token_scores[:, j])
+        if banks is not None:  # the constraint state of the extensions taken
+            beams.met, beams.inside = met.flatten(0, 1)[picked], inside.flatten()[picked]
         beams.extend(reorder, new_token, new_score, step)
         return live_scores, reorder
 
-    def _search_constrained(
-        self, states: list[Tensor], step: Tensor, penalty: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """`_search` under hard constraints (decoding/constraints.py): each row's 2k best next tokens and
-        those that advance its constraints; EOS only where every phrase is met; an EOS among the k best
-        finishes its hypothesis, and the k live ones are allocated across the banks of constraint
-        tokens met."""
+    def _constrained_candidates(
+        self, states: list[Tensor], step: Tensor
+    ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """Under hard constraints (decoding/constraints.py), each row's candidates: its 2k best next
+        tokens and those that advance its constraints, EOS only where every phrase is met. Returns
+        their (ranking log-probabilities, tokens, own log-probabilities), each (R, m), R = N * k, and
+        the constraint state after each (met (R, m, M), inside (R, m))."""
         beams, k, cons = self.beams, self.k, self.beams.constraints
         args = (states, self.model, step, self.min_len, self.linear, self._repeats(step))
-        log_probs, own = next_log_probs(*args)  # (R, V) twice, R = N * k
+        log_probs, own = next_log_probs(*args)  # (R, V) twice
         log_probs = force_prefix(log_probs, own, beams.prefix, step, k)
         complete = cons.complete(beams.met, beams.inside, k)  # (R,)
         eos = torch.arange(log_probs.size(1), device=log_probs.device) == EOS_ID
@@ -396,31 +400,7 @@ class BeamSearch:
         tokens = torch.cat([tokens, extra], dim=1)  # (R, m)
         # a phrase's pieces are the user's: their own log-probabilities (no repetition control bans them)
         scores = torch.cat([best, own.gather(1, extra).masked_fill(repeated, NEG_INF)], dim=1)  # (R, m)
-        met, inside = advanced(cons, beams.met, beams.inside, tokens, k)  # (R, m, M), (R, m)
-        n, m = beams.scores.size(0), tokens.size(1)
-        candidates = (beams.scores.view(-1, 1) + scores).view(n, k * m)  # (N, k m)
-        is_eos = (tokens == EOS_ID).view(n, k * m)
-        flat_own = own.gather(1, tokens).view(n, k * m)
-        offset = torch.arange(n, device=tokens.device)[:, None] * (k * m)
-        # EOS endings among the k best candidates finish their hypotheses, best first
-        top, top_index = candidates.topk(k, dim=1)  # (N, k)
-        ending = torch.where(is_eos.gather(1, top_index), top, NEG_INF) / penalty
-        eos_scores, order = ending.sort(dim=1, descending=True, stable=True)
-        eos_index = top_index.gather(1, order)  # (N, k)
-        eos_rows = (offset + eos_index) // m
-        eos_token_scores = flat_own.gather(1, eos_index)
-        for j in range(beams.best.size(1)):
-            beams.finish(eos_scores[:, j], eos_rows[:, j], step - 1, eos_token_scores[:, j])
-        # the live ones, by dynamic beam allocation over the banks of constraint tokens met
-        live = candidates.masked_fill(is_eos, NEG_INF)
-        pick = allocate(live, met.sum(dim=2).view(n, k * m), k, cons.count)  # (N, k)
-        chosen = (offset + pick).view(-1)  # (N * k,) into the flat (R * m) candidates
-        live_scores = live.gather(1, pick)
-        reorder = chosen // m
-        beams.met = met.flatten(0, 1)[chosen]
-        beams.inside = inside.flatten()[chosen]
-        beams.extend(reorder, tokens.flatten()[chosen][:, None], flat_own.flatten()[chosen], step)
-        return live_scores, reorder
+        return (scores, tokens, own.gather(1, tokens)), advanced(cons, beams.met, beams.inside, tokens, k)
 
     def _sample(self, states: list[Tensor], step: Tensor, penalty: Tensor) -> tuple[Tensor, Tensor]:
         """Sampling's step: each live row draws its next token; one drawing EOS is finished, the others
@@ -521,6 +501,8 @@ def rank_extensions(
     k: int,
     penalty: float | Tensor,
     own: Tensor | None = None,
+    banks: Tensor | None = None,
+    levels: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """One step's choice among the extensions of N sentences' k live hypotheses.
 
@@ -528,25 +510,36 @@ def rank_extensions(
     next tokens of each, ranked by log_probs, their log-probabilities recorded from own (N * k, m) where
     given (repetition control: the model's own); penalty: lp(step). Of each sentence's 2k best
     extensions, the k best not ending in EOS live on, and an EOS among the k best finishes its
-    hypothesis. Returns the new live scores (N, k), the old row each new row extends (N * k,), its new
-    token (N * k, 1) and that token's log-probability (N * k,); and per sentence the EOS endings among
-    the k best, best first: their normalized scores (N, k) (-inf where fewer), the rows they end (N, k)
-    and EOS's log-probability (N, k).
+    hypothesis; with banks (N * k, m) (hard constraints: the constraint tokens each extension has met,
+    of levels (N,) per sentence), the live ones are allocated across the banks from all the extensions
+    (`constraints.allocate`). Returns the new live scores (N, k), the old row each new row extends
+    (N * k,), its new token (N * k, 1), that token's log-probability (N * k,), and per sentence the EOS
+    endings among the k best, best first: their normalized scores (N, k) (-inf where fewer), the rows
+    they end (N, k) and EOS's log-probability (N, k); and the extension each new row took (N * k,), an
+    index into the N * k * m.
     """
     n, k_in = scores.shape
     m = log_probs.size(-1)
     token_scores = (log_probs if own is None else own).view(n, k_in * m)
     candidates = (scores[:, :, None] + log_probs.view(n, k_in, m)).view(n, k_in * m)
-    if candidates.size(1) < 2 * k:  # fewer candidates than asked for: pad with impossible ones
-        candidates = F.pad(candidates, (0, 2 * k - candidates.size(1)), value=NEG_INF)
-    top_scores, top_index = candidates.topk(2 * k, dim=1)  # (N, 2k), best first
+    # the 2k best can hold the k best not ending in EOS (at most k of 2k do); banks choose among all
+    pool = 2 * k if banks is None else k_in * m
+    if candidates.size(1) < pool:  # fewer candidates than asked for: pad with impossible ones
+        candidates = F.pad(candidates, (0, pool - candidates.size(1)), value=NEG_INF)
+    top_scores, top_index = candidates.topk(pool, dim=1)  # (N, pool), best first
     top_index = top_index.clamp(max=k_in * m - 1)  # padding -> any real candidate (its score stays -inf)
-    top_row = torch.arange(n, device=top_index.device)[:, None] * k_in + top_index // m  # (N, 2k) old row
-    top_token = next_tokens.view(n, k_in * m).gather(1, top_index)  # (N, 2k)
-    top_token_score = token_scores.gather(1, top_index)  # (N, 2k)
+    top_row = torch.arange(n, device=top_index.device)[:, None] * k_in + top_index // m  # (N, pool) old row
+    top_token = next_tokens.view(n, k_in * m).gather(1, top_index)  # (N, pool)
+    top_token_score = token_scores.gather(1, top_index)  # (N, pool)
     is_eos = top_token == EOS_ID
-    # k new live hypotheses: the best candidates that do not end in EOS (at most k of 2k do).
-    live_scores, pick = top_scores.masked_fill(is_eos, NEG_INF).topk(k, dim=1)  # (N, k)
+    # k new live hypotheses: the best candidates that do not end in EOS, or those the banks take
+    live = top_scores.masked_fill(is_eos, NEG_INF)
+    if banks is None:
+        live_scores, pick = live.topk(k, dim=1)  # (N, k)
+    else:
+        pick = allocate(live, banks.view(n, k_in * m).gather(1, top_index), k, levels)  # (N, k)
+        live_scores = live.gather(1, pick)
+    picked = (torch.arange(n, device=pick.device)[:, None] * (k_in * m) + top_index.gather(1, pick)).view(-1)
     reorder = top_row.gather(1, pick).view(-1)  # (N * k,)
     new_token = top_token.gather(1, pick).view(-1, 1)  # (N * k, 1)
     new_score = top_token_score.gather(1, pick).view(-1)  # (N * k,)
@@ -555,7 +548,7 @@ def rank_extensions(
     )  # (N, k)
     eos_rows = top_row[:, :k].gather(1, eos_pick)  # (N, k)
     eos_token_scores = top_token_score[:, :k].gather(1, eos_pick)  # (N, k)
-    return live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores
+    return live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores, picked
 
 
 class _Results:
