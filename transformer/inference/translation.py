@@ -354,11 +354,7 @@ class Translator:
             n if j == 0 else -((n << 20) + j) for n, parts in zip(numbers, sources) for j in range(len(parts))
         ]
         flat = [part for parts in sources for part in parts]
-        forced = None  # each part's guide: a line's prefix is its first part's
-        if guides is not None:
-            forced = [
-                g if j == 0 else Guide([], []) for g, parts in zip(guides, sources) for j in range(len(parts))
-            ]
+        forced = None if guides is None else part_guides(guides, sources)
         found = [
             [h for h in hypotheses if h.token_log_probs]
             for hypotheses in self.search_all(flat, progress, keys, search, forced)
@@ -482,6 +478,11 @@ def _lines(lines: list[str] | str) -> tuple[bool, list[str]]:
     if not isinstance(lines, (list, tuple)) or not all(isinstance(line, str) for line in lines):
         raise TypeError(f"lines must be a list of strings (or one string), not {type(lines).__name__}")
     return False, list(lines)
+
+
+def part_guides(guides: list[Guide], sources: list[list[list[int]]]) -> list[Guide]:
+    """Each source part's guide (of `encode`'s sources): a line's is its first part's, the others none."""
+    return [g if j == 0 else Guide([], []) for g, parts in zip(guides, sources) for j in range(len(parts))]
 
 
 def _per_line(one: bool, constraints: list[list[str]] | list[str] | None) -> list[list[str]] | None:

@@ -49,7 +49,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from transformer.config import ConfigError, ServeConfig
 from transformer.inference.formats import translation_dict
-from transformer.inference.translation import Guide, Translator
+from transformer.inference.translation import Guide, Translator, part_guides
 from transformer.inference.visualize import attention_weights
 from transformer.serving.api import BadRequest, openapi, parse_request, request_cost
 from transformer.serving.batching import Batcher, Job, QueueFull
@@ -192,12 +192,8 @@ class Service:
             sources = translator.encode(parsed.lines, whole)
         else:
             sources = await run_in_threadpool(translator.encode, parsed.lines, whole)
-        each = guides or [Guide([], [])] * len(sources)
-        grown = [
-            (len(g.prefix), sum(map(len, g.phrases))) if j == 0 else (0, 0)
-            for g, parts in zip(each, sources)
-            for j in range(len(parts))
-        ]
+        each = part_guides(guides or [Guide([], [])] * len(sources), sources)
+        grown = [(len(g.prefix), sum(map(len, g.phrases))) for g in each]
         flat = [part for parts in sources for part in parts]
         cost = request_cost(flat, parsed.search, parsed.attention, grown)
         if cost > self.cfg.max_request_cost:
