@@ -5,12 +5,11 @@ match; once the new run has saved, resuming goes on with it."""
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 
 import pytest
 from test_training_config import run_cli
-from test_training_run import WORDS, compose_config, corpus, overrides  # noqa: F401 (corpus: a fixture)
+from test_training_run import WORDS, compose_config, corpus, overrides, reversal_corpus  # noqa: F401 (corpus: a fixture)
 
 from transformer.checkpoint import checkpoint_dir, load_checkpoint
 from transformer.config import ConfigError
@@ -22,14 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def shifted(tmp_path_factory) -> Path:
     """Another corpus: other sentences, and words the first corpus never had (its own BPE differs)."""
-    raw = tmp_path_factory.mktemp("shifted")
     words = {**WORDS, "bird": "vogel", "garden": "garten", "green": "gruen", "flies": "fliegt"}
-    rng = random.Random(7)
-    for split, n in (("train", 300), ("valid", 20), ("test", 20)):
-        src = [[rng.choice(list(words)) for _ in range(rng.randint(2, 9))] for _ in range(n)]
-        (raw / f"{split}.en").write_text("".join(" ".join(s) + "\n" for s in src))
-        (raw / f"{split}.de").write_text("".join(" ".join(words[w] for w in reversed(s)) + "\n" for s in src))
-    return raw
+    return reversal_corpus(tmp_path_factory.mktemp("shifted"), words, seed=7)
 
 
 @pytest.fixture(scope="module")

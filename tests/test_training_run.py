@@ -57,12 +57,17 @@ WORDS = dict(
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """300 training, 20 validation and 20 test pairs: English words -> German words in reverse order."""
-    raw = tmp_path_factory.mktemp("raw")
-    rng = random.Random(0)
+    return reversal_corpus(tmp_path_factory.mktemp("raw"), WORDS, seed=0)
+
+
+def reversal_corpus(raw: Path, words: dict[str, str], seed: int) -> Path:
+    """Write into raw 300 training, 20 validation and 20 test pairs of 2-9 random English words of
+    `words` and their German words in reverse order."""
+    rng = random.Random(seed)
     for split, n in (("train", 300), ("valid", 20), ("test", 20)):
-        src = [[rng.choice(list(WORDS)) for _ in range(rng.randint(2, 9))] for _ in range(n)]
+        src = [[rng.choice(list(words)) for _ in range(rng.randint(2, 9))] for _ in range(n)]
         (raw / f"{split}.en").write_text("".join(" ".join(s) + "\n" for s in src))
-        (raw / f"{split}.de").write_text("".join(" ".join(WORDS[w] for w in reversed(s)) + "\n" for s in src))
+        (raw / f"{split}.de").write_text("".join(" ".join(words[w] for w in reversed(s)) + "\n" for s in src))
     return raw
 
 
