@@ -95,6 +95,28 @@ def test_a_reorder_moves_every_layers_keys_and_values_with_their_rows(static):
     torch.testing.assert_close(step[:, 0], expected, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@torch.inference_mode()
+def test_the_beams_of_a_sentence_keep_their_histories_through_reorders(static):
+    """Beams that extend their own rows, another's, or several of one, read as a full decode of their
+    histories (the dynamic layout copies only the rows a reorder changes)."""
+    model = plain_model()
+    src = sources([5], 40)
+    mask = model.src_mask(src)
+    memory = model.encode(src, mask)
+    tgt = torch.randint(4, 40, (3, 4), generator=torch.Generator().manual_seed(5))
+    cache = DecoderCache(model, memory, mask, rows=3, limit=4, static=static)
+    model.decode(tgt[:, :1], cache=cache)
+    cache.reorder(torch.tensor([0, 0, 2]))  # row 1 takes row 0's history, rows 0 and 2 keep theirs
+    model.decode(tgt[:, 1:2], cache=cache)
+    cache.reorder(torch.tensor([2, 1, 1]))
+    step = model.decode(tgt[:, 2:3], cache=cache)
+    history = [[2, 2, 0], [0, 1, 1], [0, 1, 2]]  # the row whose token each position holds
+    tokens = torch.stack([tgt[history[i], torch.arange(3)] for i in range(3)])  # (3, 3)
+    expected = model.decode(tokens, memory.expand(3, -1, -1), mask.expand(3, -1))[:, 2]
+    torch.testing.assert_close(step[:, 0], expected, rtol=1e-10, atol=1e-10)
+
+
 @torch.no_grad()
 def teacher_forced_score(
     model: Transformer, src_row: torch.Tensor, tokens: list[int], max_len: int, alpha: float

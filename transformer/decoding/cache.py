@@ -32,6 +32,7 @@ class DecoderCache:
         self.key_positions = torch.arange(limit, device=memory.device)[None]  # (1, L)
         self.key_mask = torch.zeros(1, limit, dtype=torch.bool, device=memory.device)  # written (static)
         self.layers = [LayerCache(self, layer, memory, rows, limit) for layer in model.decoder]
+        self._moved: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, its moved rows, their sources)
 
     def positions(self, t: int) -> Tensor:
         """(T,) the positions of the next T tokens; marks them as written for the static layout."""
@@ -55,6 +56,14 @@ class DecoderCache:
         if sentences is not None:
             self.src_mask = self.src_mask.index_select(0, sentences)
 
+    def moved(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows i a reorder `rows` changes (rows[i] != i), (M,), and the rows they take, (M,):
+        one read from the device per reorder, shared by the layers."""
+        if self._moved is None or self._moved[0] is not rows:
+            changed = (rows != torch.arange(rows.size(0), device=rows.device)).nonzero().squeeze(1)
+            self._moved = (rows, changed, rows[changed])
+        return self._moved[1], self._moved[2]
+
 
 class LayerCache:
     """One decoder layer's keys and values (`attention.LayerCache`)."""
@@ -63,10 +72,12 @@ class LayerCache:
         self.cache = cache
         # (N, H_kv, S, d), contiguous: every step reads them; the beams of a sentence share them
         self.cross = tuple(x.contiguous() for x in layer.cross_attn.project_kv(memory))
-        # (rows, H_kv, L, d), in the dtype the projections give, and the targets of a reorder
-        k, v, attn = self.cross[0], self.cross[1], layer.self_attn
-        self.keys = k.new_zeros(rows, attn.n_kv_heads, limit, attn.d_k)
-        self.values = v.new_zeros(rows, attn.n_kv_heads, limit, attn.d_v)
+        # (rows, H_kv, L, d), in the dtype the projections give, and the targets of a reorder; the
+        # static layout reads unwritten positions (masked), which must hold numbers, the dynamic one never
+        k, attn = self.cross[0], layer.self_attn
+        new = k.new_zeros if cache.static else k.new_empty
+        self.keys = new(rows, attn.n_kv_heads, limit, attn.d_k)
+        self.values = new(rows, attn.n_kv_heads, limit, attn.d_v)
         self.spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
         self.pending: Tensor | None = None  # a reorder not carried out yet (dynamic layout)
 
@@ -106,9 +117,16 @@ class LayerCache:
             self.cross = (self.cross[0].index_select(0, sentences), self.cross[1].index_select(0, sentences))
 
     def _move(self, rows: Tensor, end: int) -> None:
-        """One copy of the first `end` positions into the spare buffers, which then trade places with
-        the layer's buffers (rows only ever shrink: the spare ones have enough)."""
+        """Carry out a reorder on the first `end` positions. The dynamic layout, with no sentence
+        leaving, copies the changed rows only, in place (many beams extend their own hypothesis);
+        otherwise one copy into the spare buffers, which then trade places with the layer's buffers
+        (rows only ever shrink: the spare ones have enough)."""
         k, v = self.keys, self.values
+        if not self.cache.static and rows.size(0) == k.size(0):
+            changed, taken = self.cache.moved(rows)
+            for buffer in (k[:, :, :end], v[:, :, :end]):
+                buffer.index_copy_(0, changed, buffer.index_select(0, taken))  # gathered first: may overlap
+            return
         spare_k, spare_v = self.spare[0][: rows.size(0)], self.spare[1][: rows.size(0)]
         torch.index_select(k[:, :, :end], 0, rows, out=spare_k[:, :, :end])
         torch.index_select(v[:, :, :end], 0, rows, out=spare_v[:, :, :end])
