@@ -317,6 +317,31 @@ def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, 
     torch.testing.assert_close(chunked.scores, whole.scores, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, width, n", [(64, 7400, 2), (128, 7403, 8), (16, 5000, 50), (2, 40, 8)])
+def test_top_n_finds_what_topk_finds(rows, width, n):
+    """The n largest of each row and their indices, best first, as Tensor.topk: with masked (-inf)
+    entries, the best past the last whole segment, and all n best in one column of the segments."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, width, generator=generator) * 4
+    x[:, :3] = float("-inf")
+    x[0, -3:] += 30  # past the last whole segment where width is not a multiple of the segments
+    segment = width // scoring.TOP_N_SEGMENTS
+    x[1, 1 + segment * torch.arange(scoring.TOP_N_SEGMENTS)] = 50 + torch.arange(8.0)  # one column
+    values, index = scoring.top_n(x, n)
+    expected_values, expected_index = x.topk(n, dim=-1)
+    assert torch.equal(values, expected_values) and torch.equal(index, expected_index)
+
+
+def test_a_search_ranking_by_top_n_decodes_as_by_topk(monkeypatch):
+    model = tiny_model(vocab=40, seed=4)
+    src = sources([3, 7, 5], 40)
+    monkeypatch.setattr(scoring, "TOP_N_MIN", 1 << 62)  # Tensor.topk itself
+    expected = beam_search(model, src, SearchConfig(beam_size=2, max_len_b=6, nbest=2))
+    monkeypatch.setattr(scoring, "TOP_N_MIN", 0)  # top_n's segments even on so few entries
+    got = beam_search(model, src, SearchConfig(beam_size=2, max_len_b=6, nbest=2))
+    assert got.hypotheses == expected.hypotheses
+
+
 def test_float32_search_with_the_cpu_kernels_and_packed_weights_equals_the_plain_model():
     """The float32 CPU path as translate.py runs it (the CPU kernels, the weights packed for oneDNN)
     decodes exactly as the plain modules do."""

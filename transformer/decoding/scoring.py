@@ -33,6 +33,8 @@ from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = float("-inf")
 VOCAB_CHUNK = 8192  # vocabulary entries projected at once on a CPU while choosing the next tokens
+TOP_N_SEGMENTS = 8  # `top_n`: a row of C entries seen as 8 segments of C / 8
+TOP_N_MIN = 1 << 16  # `top_n` takes Tensor.topk itself on fewer entries, where its own calls would cost more
 Linear = Callable[[Tensor, Tensor], Tensor]  # x (R, d), W (V', d) -> x W^T: F.linear, or kernels.Products
 
 
@@ -66,6 +68,27 @@ def vocab_chunks(vocab: int, device: torch.device) -> list[tuple[int, int]]:
     return [(start, min(start + size, vocab)) for start in range(0, vocab, size)]
 
 
+def top_n(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """x.topk(n) along the last dimension of x (R, C): the n largest entries of each row, best first, and
+    their indices. A row is seen as TOP_N_SEGMENTS segments laid over each other, and an entry among the
+    row's n largest lies in one of the n columns with the largest maxima (were its column not among
+    them, n other columns would each hold a larger entry), so only those columns' entries are ranked.
+    The values are topk's; among exactly equal entries the indices taken may differ."""
+    r, c = x.shape
+    width = c // TOP_N_SEGMENTS
+    if x.numel() < TOP_N_MIN or width < n or not x.is_cpu:
+        return x.topk(n, dim=-1)
+    whole = width * TOP_N_SEGMENTS
+    column_max = x[:, :whole].view(r, TOP_N_SEGMENTS, width).amax(dim=1)  # (R, width)
+    columns = column_max.topk(n, dim=1)[1]  # (R, n)
+    starts = torch.arange(0, whole, width, device=x.device)  # (segments,)
+    index = (starts[None, :, None] + columns[:, None, :]).view(r, -1)  # (R, segments * n)
+    if whole < c:  # the entries past the last whole segment are candidates too
+        index = torch.cat([index, torch.arange(whole, c, device=x.device).expand(r, -1)], dim=1)
+    top, pick = x.gather(1, index).topk(n, dim=1)  # (R, n)
+    return top, index.gather(1, pick)
+
+
 def mask_specials(log_probs: Tensor, step: Tensor, min_len: int) -> Tensor:
     """In place on log_probs (R, c) whose column 0 is token 0: PAD and BOS never, EOS not while
     step <= min_len. Fills only: no tensor made from host data (CUDA graphs)."""
@@ -89,7 +112,7 @@ def best_next_tokens(
         log_probs = logits.log_softmax(dim=-1, dtype=torch.float32)  # (R, c), normalized within the chunk
         if start == 0:
             mask_specials(log_probs, step, min_len)
-        top, index = log_probs.topk(min(n, end - start), dim=-1)  # (R, n), best first
+        top, index = top_n(log_probs, min(n, end - start))  # (R, n), best first
         if len(chunks) == 1:
             return top, index
         # the chunk's log-sum-exp, from its best entry (finite even where PAD and BOS are among the n)

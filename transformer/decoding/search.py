@@ -60,6 +60,7 @@ from transformer.decoding.scoring import (
     next_log_probs,
     sample_keys,
     sample_tokens,
+    top_n,
     uniform_draws,
     vocab_chunks,
 )
@@ -368,7 +369,7 @@ class BeamSearch:
             args = (states, self.model, step, self.min_len, self.linear, repeats)
             log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
             log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, k)
-            chosen = log_probs.topk(min(2 * k, log_probs.size(-1)))
+            chosen = top_n(log_probs, min(2 * k, log_probs.size(-1)))
             own = own_log_probs.gather(1, chosen[1]) if repeats is not None else None
         levels = None if banks is None else beams.constraints.count
         ranked = rank_extensions(beams.scores, *chosen, k, penalty, own, banks, levels)
@@ -394,7 +395,7 @@ class BeamSearch:
         complete = cons.complete(beams.met, beams.inside, k)  # (R,)
         eos = torch.arange(log_probs.size(1), device=log_probs.device) == EOS_ID
         log_probs = log_probs.masked_fill(eos & ~complete[:, None], NEG_INF)
-        best, tokens = log_probs.topk(min(2 * k, log_probs.size(1)))  # (R, 2k)
+        best, tokens = top_n(log_probs, min(2 * k, log_probs.size(1)))  # (R, 2k)
         extra = offered(cons, beams.met, beams.inside, k)  # (R, M)
         repeated = (extra[:, :, None] == tokens[:, None, :]).any(dim=2) | (extra == PAD_ID)
         tokens = torch.cat([tokens, extra], dim=1)  # (R, m)
