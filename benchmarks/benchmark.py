@@ -66,7 +66,8 @@ in the order given, each printed and written to `--json` as soon as it ends (a k
 it measured; train writes its eager figures before it compiles anything); a section that fails is
 noted, the others are still reported, and the run then exits with an error; a peer that fails (a
 compiled model, a decoder) is left out with a note. The report ends with the project's goals for the
-device (bench/report.py: TRAIN_GOAL, MEMORY_GOAL_GIB, DECODE_GOALS), met or not. `--json` writes every
+device (harness/report.py: TRAIN_GOAL, MEMORY_GOAL_GIB, DECODE_GOALS, CPU_GOALS), met or not, each goal
+against CTranslate2 with its bound: ours' products alone against the peer. `--json` writes every
 figure. Sizes: tiny (smoke tests), base (the paper's base model: N=6, d_model=512, h=8, d_ff=2048,
 vocab 37000); the big model is d_model=1024, h=16, d_ff=4096.
 

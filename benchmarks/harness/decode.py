@@ -27,7 +27,7 @@ from harness.measure import (
 )
 from harness.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ConfigError, DecodeConfig, ModelConfig, SearchConfig
-from transformer.decoding import beam_search, search_weights
+from transformer.decoding import beam_search, search_weights, vocab_chunks
 from transformer.inference.translation import rows
 from transformer.kernels import Kernels
 from transformer.kernels.timing import decoding_kernels
@@ -36,7 +36,8 @@ from transformer.utils.devices import decoding_dtype
 from transformer.vocab import EOS_ID
 
 POLICIES = ("ours, n-best 4", "ours, 4 samples (top-k 50)")
-SIDE_ROWS = (*POLICIES, KERNELS_OFF, KERNELS_ON)  # compared with ours, not with the peers
+PRODUCTS, PRODUCTS_INT8 = "ours, products only", "ours int8, products only"  # the bounds on ours' speed
+SIDE_ROWS = (*POLICIES, KERNELS_OFF, KERNELS_ON, PRODUCTS, PRODUCTS_INT8)  # compared with ours, not peers
 
 
 def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
@@ -65,6 +66,34 @@ def ours_decoder(
         return sum(len(tokens) for tokens in result.tokens)
 
     run.model, run.products = model, kernels.products  # section_decode packs its weights
+    return run
+
+
+def products_decoder(ours: Callable[[Tensor, int], int], new_tokens: int) -> Callable[[Tensor, int], int]:
+    """The bound on the speed of the decoder `ours` (an `ours_decoder`): its search's linear maps alone,
+    on the rows it multiplies and with its kernels and packed weights (the encoder's and the
+    encoder-decoder keys and values once, then at every step the decoder's and the output projection's
+    chunks), on random states; no attention, normalization, softmax, ranking or cache. Returns the
+    output tokens ours would give."""
+    model, products = ours.model, ours.products
+
+    def run(src: Tensor, beam: int) -> int:
+        (n, s), d = src.shape, model.cfg.d_model
+        x, y = torch.randn(n, s, d), torch.randn(n * beam, 1, d)  # the encoder's rows, a step's rows
+        vocab = model.embed.weight
+        chunks = [vocab[start:end] for start, end in vocab_chunks(vocab.size(0), vocab.device)]
+        for layer in model.encoder:
+            layer.self_attn.w_qkv(x), layer.self_attn.w_o(x), layer.ffn(x)
+        for layer in model.decoder:
+            layer.cross_attn.w_kv(x)
+        for _ in range(new_tokens):
+            for layer in model.decoder:
+                attn, cross = layer.self_attn, layer.cross_attn
+                attn.w_qkv(y), attn.w_o(y), cross.w_q(y), cross.w_o(y), layer.ffn(y)
+            for chunk in chunks:
+                products(y[:, 0], chunk)
+        return n * new_tokens
+
     return run
 
 
@@ -117,6 +146,8 @@ def build_decoders(
     bf16 models on CUDA, as translate.py runs them."""
     cuda = setup.device.type == "cuda"
     decoders = {"ours": ("ours", ours_decoder(ours, args.new_tokens, kernels))}
+    if not cuda:
+        decoders[PRODUCTS] = ("ours", products_decoder(decoders["ours"][1], args.new_tokens))
     # the search's other policies, beam 4 only (translate.py nbest=4; sampling=true nbest=4 topk=50)
     decoders[POLICIES[0]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, nbest=4))
     sampling = {"sampling": True, "nbest": 4, "topk": 50}
@@ -130,6 +161,7 @@ def build_decoders(
             chosen = decoding_kernels(cfg, setup.device, "auto", True, *shapes)  # as translate.py's
             int8 = ours_decoder(copy.deepcopy(ours), args.new_tokens, chosen)
             decoders["ours int8"] = ("ours", int8)  # (section_decode packs them)
+            decoders[PRODUCTS_INT8] = ("ours", products_decoder(int8, args.new_tokens))
         except ConfigError as error:
             notes.append(f"ours int8 left out: {error}")
     # on CUDA also ours as translate.py cuda_graphs=true runs it; last, so that the others have warmed
