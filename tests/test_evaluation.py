@@ -195,6 +195,15 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     int8_report = tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.int8.bleu.json"
     assert json.loads(int8_report.read_text())["settings"]["precision"] == "int8"
     assert json.loads(greedy_path.read_text()) == greedy_report  # not overwritten by int8's
+    vmap = tmp_path / "short.txt"  # a vocabulary map that allows the special symbols only
+    vmap.write_text("\t\n", encoding="utf-8")
+    mapped = subprocess.run(
+        [*greedy, f"vocabulary_map={vmap}"], capture_output=True, cwd=ROOT, timeout=300, env=env
+    )
+    assert mapped.returncode == 0, mapped.stderr
+    mapped_path = tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.vmap-short.hyp.de"
+    assert set(mapped_path.read_text().split()) <= {"⁇"}  # nothing but EOS and UNK to output
+    assert json.loads(greedy_path.read_text()) == greedy_report  # not overwritten either
     assert json.loads(Path(f"{report}.bleu.json").read_text()) == result  # not overwritten
     for topk in (5, 10):  # samples narrowed otherwise: each its own result
         sampled = [*greedy, "sampling=true", f"topk={topk}"]

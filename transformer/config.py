@@ -20,6 +20,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 
@@ -573,10 +574,14 @@ class DecodeConfig(SearchConfig, DecodingPrecision, DeviceConfig):
     max_tokens: int = 4096  # padded source tokens per batch
     max_sentences: int = 256  # sentences per batch: bounds the decoder's cache on batches of short lines
     cuda_graphs: bool | None = None  # each search step one CUDA graph replay; None: on CUDA
+    # a vocabulary map (CTranslate2's vmap format): each batch's outputs drawn from its candidates only
+    vocabulary_map: str | None = None
 
     def check(self) -> None:
         if self.checkpoint is None:
             raise ConfigError("checkpoint=PATH is required (a .pt file written by train.py)")
+        if self.vocabulary_map is not None and not Path(self.vocabulary_map).is_file():
+            raise ConfigError(f"vocabulary_map={self.vocabulary_map} is not a file")
         self.require_positive("max_tokens", "max_sentences")
         super().check()
         if self.precision == "int8" and (self.device.startswith("cuda") or self.cuda_graphs):

@@ -3,7 +3,13 @@ as policies of the same loop, all running the model's own `decode` with a cache 
 (`DecoderCache`)."""
 
 from transformer.decoding.cache import DecoderCache
-from transformer.decoding.scoring import Ensemble, best_next_tokens, vocab_chunks
+from transformer.decoding.scoring import (
+    Ensemble,
+    Shortlist,
+    best_next_tokens,
+    projection_chunks,
+    vocab_chunks,
+)
 from transformer.decoding.search import (
     BeamSearch,
     Hypothesis,
@@ -20,10 +26,12 @@ __all__ = [
     "Ensemble",
     "Hypothesis",
     "SearchResult",
+    "Shortlist",
     "beam_search",
     "best_next_tokens",
     "length_penalty",
     "max_output_lengths",
+    "projection_chunks",
     "search_weights",
     "vocab_chunks",
 ]

@@ -8,6 +8,8 @@ draws of sampling.
 - `sample_tokens`: a draw from a distribution narrowed by temperature, top-k and top-p, with the uniform
   numbers of `uniform_draws`, which depend on (seed, sentence, sample, step) only: the same seed gives the
   same samples whatever the batches;
+- `Shortlist`: the output vocabulary narrowed to a batch's candidates (a vocabulary map's), the
+  distribution normalized over them;
 - `Repeats`: repetition control, CTranslate2's semantics (Hugging Face's in greedy search and sampling):
   `repetition_penalty` p scales the logit of every token already in the hypothesis (z / p where z > 0,
   z * p where z < 0; Keskar et al. 2019) before the softmax, and `no_repeat_ngram_size` n forbids a token
@@ -57,6 +59,34 @@ class Ensemble:
 
 def members(model: Transformer | Ensemble) -> list[Transformer]:
     return model.models if isinstance(model, Ensemble) else [model]
+
+
+@dataclass
+class Shortlist:
+    """A search's output vocabulary narrowed to the pieces `ids` (K,), ascending, every special symbol
+    among them (`inference/vocabulary_map.py`): each model projects onto those rows of its output
+    matrix only (`weights`, (K, d_model) each, in the models' order), and the next-token
+    distribution is normalized over them."""
+
+    ids: Tensor
+    weights: list[Tensor]
+
+    @classmethod
+    def of(cls, model: Transformer | Ensemble, ids: Tensor) -> Shortlist:
+        specials = torch.arange(EOS_ID + 1)
+        if ids.numel() <= EOS_ID or not torch.equal(ids[: EOS_ID + 1].cpu(), specials):
+            raise ValueError(f"a shortlist starts with every special symbol, ids {specials.tolist()}")
+        weights = [m.embed.weight.index_select(0, ids.to(m.embed.weight.device)) for m in members(model)]
+        return cls(ids.to(weights[0].device), weights)
+
+    def widen(self, logits: Tensor, vocab: int) -> Tensor:
+        """logits (R, K) over the shortlist -> (R, vocab), -inf for the pieces outside it."""
+        return logits.new_full((logits.size(0), vocab), NEG_INF).index_copy_(1, self.ids, logits)
+
+
+def projection_chunks(weight: Tensor) -> list[Tensor]:
+    """The output matrix (V, d_model) a chunk at a time as the search projects it (`vocab_chunks`)."""
+    return [weight[start:end] for start, end in vocab_chunks(weight.size(0), weight.device)]
 
 
 def vocab_chunks(vocab: int, device: torch.device) -> list[tuple[int, int]]:
@@ -129,10 +159,10 @@ def best_next_tokens(
 def project(states: Tensor, weight: Tensor, linear: Linear) -> Tensor:
     """The logits (R, V) of states (R, d_model), a vocabulary chunk at a time (`vocab_chunks`: the
     chunks `search_weights` packs)."""
-    chunks = vocab_chunks(weight.size(0), weight.device)
+    chunks = projection_chunks(weight)
     if len(chunks) == 1:
         return linear(states, weight)
-    return torch.cat([linear(states, weight[start:end]) for start, end in chunks], dim=-1)
+    return torch.cat([linear(states, chunk) for chunk in chunks], dim=-1)
 
 
 def next_log_probs(
@@ -142,13 +172,19 @@ def next_log_probs(
     min_len: int,
     linear: Linear,
     repeats: Repeats | None = None,
+    shortlist: Shortlist | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(ranked, own), each (R, V) float32: own = log P(y_step | y_<step, X) of every token, from each
     member's final decoder states (R, d_model), an ensemble's log sum_m w_m P_m; ranked = the same with
-    `repeats` acting on each member's logits (own itself without)."""
+    `repeats` acting on each member's logits (own itself without). With a shortlist, each member's
+    distribution is over its pieces only (-inf elsewhere)."""
     models = members(model)
     weights = model.weights if isinstance(model, Ensemble) else [1.0]
-    logits = [(project(h, m.embed.weight, linear), w) for h, m, w in zip(states, models, weights) if w > 0]
+    vocab = models[0].embed.weight.size(0)
+    outputs = [m.embed.weight for m in models] if shortlist is None else shortlist.weights
+    logits = [(project(h, out, linear), w) for h, out, w in zip(states, outputs, weights) if w > 0]
+    if shortlist is not None:
+        logits = [(shortlist.widen(z, vocab), w) for z, w in logits]
 
     def mixture(each: list[tuple[Tensor, float]]) -> Tensor:
         log_probs = [z.log_softmax(dim=-1, dtype=torch.float32) + math.log(w) for z, w in each]

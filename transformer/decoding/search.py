@@ -54,15 +54,16 @@ from transformer.decoding.scoring import (
     Ensemble,
     Linear,
     Repeats,
+    Shortlist,
     best_next_tokens,
     force_prefix,
     members,
     next_log_probs,
+    projection_chunks,
     sample_keys,
     sample_tokens,
     top_n,
     uniform_draws,
-    vocab_chunks,
 )
 from transformer.model import Transformer
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
@@ -125,8 +126,7 @@ def search_weights(model: Transformer, int8: bool = False) -> list[Tensor | tupl
     """The weights `Products.prepacked` packs once for a search: the decoder's linear maps (multiplied
     by at every step) and the output projection's chunks; with `int8`, every linear map's (the
     encoder's too) as (weight, bias), for the 8-bit products."""
-    vocab = model.embed.weight
-    chunks = [vocab[start:end] for start, end in vocab_chunks(vocab.size(0), vocab.device)]
+    chunks = projection_chunks(model.embed.weight)
     if int8:
         return [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + chunks
     return [m.weight for m in model.decoder.modules() if isinstance(m, torch.nn.Linear)] + chunks
@@ -280,20 +280,21 @@ class BeamSearch:
         sentence_ids: Tensor | None = None,
         prefix: Tensor | None = None,
         constraints: list[list[list[int]]] | None = None,
+        shortlist: Shortlist | None = None,
     ) -> None:
         """src (B, S): rows of pieces + [EOS], padded with PAD_ID; search: the beam (or samples), the
         length penalty, the output limit L = a |X| + b; sentence_ids (B,): the sentences' numbers in the
         whole input, which fix their samples' draws (default: their rows); prefix (B, P): the first
         tokens of every output (target_prefix), padded with PAD_ID; constraints: per sentence the
         phrases (token ids) every output contains (dynamic shapes only, no sampling); the limit grows to
-        hold both."""
+        hold both; shortlist: the only pieces the outputs may take (a vocabulary map's)."""
         if constraints is not None and (static or search.sampling):
             raise ValueError("constraints take the search in dynamic shapes: not static=True nor sampling")
         k, alpha = search.width, search.ranking_alpha
         nbest = k if search.sampling else search.nbest  # every sample is kept
         self.model, self.k, self.alpha, self.min_len, self.static = model, k, alpha, min_len, static
         self.linear, self.sampling, self.search = linear, search if search.sampling else None, search
-        self.models = members(model)
+        self.models, self.shortlist = members(model), shortlist
         b = src.size(0)
         src_mask = source_mask(self.models[0], src)  # (B, S)
         positions = min(m.cfg.max_positions for m in self.models)  # an ensemble: its shortest member's
@@ -363,10 +364,13 @@ class BeamSearch:
             (log_probs, tokens, own), (met, inside) = self._constrained_candidates(states, step)
             chosen, banks = (log_probs, tokens), met.sum(dim=2)
         elif len(self.models) == 1 and repeats is None and not beams.prefix.numel():
-            weight = self.models[0].embed.weight
+            shortlist = self.shortlist
+            weight = self.models[0].embed.weight if shortlist is None else shortlist.weights[0]
             chosen = best_next_tokens(states[0], weight, step, self.min_len, 2 * k, self.linear)
+            if shortlist is not None:  # the shortlist's columns -> its pieces
+                chosen = (chosen[0], shortlist.ids[chosen[1]])
         else:
-            args = (states, self.model, step, self.min_len, self.linear, repeats)
+            args = (states, self.model, step, self.min_len, self.linear, repeats, self.shortlist)
             log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
             log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, k)
             chosen = top_n(log_probs, min(2 * k, log_probs.size(-1)))
@@ -389,7 +393,7 @@ class BeamSearch:
         their (ranking log-probabilities, tokens, own log-probabilities), each (R, m), R = N * k, and
         the constraint state after each (met (R, m, M), inside (R, m))."""
         beams, k, cons = self.beams, self.k, self.beams.constraints
-        args = (states, self.model, step, self.min_len, self.linear, self._repeats(step))
+        args = (states, self.model, step, self.min_len, self.linear, self._repeats(step), self.shortlist)
         log_probs, own = next_log_probs(*args)  # (R, V) twice
         log_probs = force_prefix(log_probs, own, beams.prefix, step, k)
         complete = cons.complete(beams.met, beams.inside, k)  # (R,)
@@ -407,7 +411,7 @@ class BeamSearch:
         """Sampling's step: each live row draws its next token; one drawing EOS is finished, the others
         extend. Returns the new live scores (N, k) (-inf for rows finished) and the identity reorder."""
         beams = self.beams
-        args = (states, self.model, step, self.min_len, self.linear, self._repeats(step))
+        args = (states, self.model, step, self.min_len, self.linear, self._repeats(step), self.shortlist)
         log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
         log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, self.k)
         token = sample_tokens(log_probs, self.sampling, uniform_draws(beams.keys, step))  # (N * k, 1)
@@ -467,15 +471,17 @@ def beam_search(
     sentence_ids: Tensor | None = None,
     prefix: Tensor | None = None,
     constraints: list[list[list[int]]] | None = None,
+    shortlist: Shortlist | None = None,
 ) -> SearchResult:
     """The search of `search` (default: §6.1's, beam 4 with the GNMT length penalty; a beam of 1 is
     greedy search), batched over the sentences of src (B, S): rows of pieces + [EOS], padded with
     PAD_ID; the `nbest` best hypotheses per sentence, or `nbest` samples. EOS is held back through step
     `min_len` (benchmarks that force an output length). `static`: in static shapes; `graphs` (default:
     on CUDA) with every step after the first a CUDA graph replay. `linear` makes the output projection
-    (`kernels.Products`). sentence_ids, prefix, constraints: as `BeamSearch` takes them."""
+    (`kernels.Products`). sentence_ids, prefix, constraints, shortlist: as `BeamSearch` takes them."""
     search = search or SearchConfig()
-    run = BeamSearch(model, src, search, static, linear, min_len, sentence_ids, prefix, constraints)
+    args = (min_len, sentence_ids, prefix, constraints, shortlist)
+    run = BeamSearch(model, src, search, static, linear, *args)
     graphs = (static and src.is_cuda) if graphs is None else graphs
     if graphs and not (static and src.is_cuda):
         raise ValueError("CUDA graphs need static=True and the model and src on a CUDA device")

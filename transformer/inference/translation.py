@@ -29,12 +29,15 @@ from transformer.decoding import (
     Ensemble,
     Hypothesis,
     SearchResult,
+    Shortlist,
     beam_search,
     length_penalty,
+    projection_chunks,
     search_weights,
 )
 from transformer.decoding.scoring import Linear, project
 from transformer.inference.alignment import Alignment, cross_attention, from_links, hard_links, joined
+from transformer.inference.vocabulary_map import VocabularyMap
 from transformer.kernels import Kernels
 from transformer.kernels.timing import KEYS, decoding_kernels
 from transformer.model import Transformer
@@ -72,9 +75,11 @@ class Translator:
         cfg: DecodeConfig,
         info: dict[str, Any] | None = None,
         kernels: Kernels | None = None,
+        vocabulary_map: VocabularyMap | None = None,
     ) -> None:
         """model: with `kernels` in place already (`from_checkpoint` does both); several: an ensemble,
-        weighted by cfg.weights."""
+        weighted by cfg.weights; vocabulary_map: cfg.vocabulary_map's, read already (default: read
+        here)."""
         self.models = model if isinstance(model, list) else [model]
         self.model = self.models[0]
         self.tokenizer, self.cfg = tokenizer, cfg
@@ -90,6 +95,9 @@ class Translator:
         self.max_source_tokens(cfg.search)  # a limit that leaves no room for a source fails now
         self._splitter: SentenceSplitter | None = None  # made when a line first needs it
         self._said_dynamic = False  # the log said that constraints take the dynamic search
+        if vocabulary_map is None and cfg.vocabulary_map is not None:
+            vocabulary_map = VocabularyMap.load(cfg.vocabulary_map, tokenizer)
+        self.vocabulary_map = vocabulary_map
 
     def max_source_tokens(self, search: SearchConfig) -> int:
         """The longest source (pieces + EOS) that still leaves room for max_len_a * |X| + max_len_b
@@ -123,6 +131,7 @@ class Translator:
         if cfg.cuda_graphs is None:
             cfg = dataclasses.replace(cfg, cuda_graphs=device.type == "cuda")
         dtype = decoding_dtype(cfg.precision, device)  # scores still add up in float32 (decoding/search.py)
+        entries = None if cfg.vocabulary_map is None else VocabularyMap.read(cfg.vocabulary_map)
         checkpoints = [cfg.checkpoint] if isinstance(cfg.checkpoint, str) else cfg.checkpoint
         loaded = [_load(path) for path in checkpoints]
         for path, (_, _, ckpt) in zip(checkpoints[1:], loaded[1:]):
@@ -136,7 +145,8 @@ class Translator:
         models = [kernels.apply(model.to(device, dtype)) for model, _, _ in loaded]
         ckpt = loaded[0][2]
         info = {k: ckpt.get(k) for k in ("step", "data_meta", "config")}
-        return cls(models, loaded[0][1], cfg, info, kernels)
+        vocabulary_map = None if entries is None else VocabularyMap.of(entries, loaded[0][1])
+        return cls(models, loaded[0][1], cfg, info, kernels, vocabulary_map)
 
     def encode(self, lines: list[str], search: SearchConfig | None = None) -> list[list[list[int]]]:
         """Per line its sources (pieces + [EOS]), none for an empty line: one, or for a line longer than
@@ -203,8 +213,9 @@ class Translator:
     ) -> SearchResult:
         """The search on a padded batch (B, S) (default: the settings'): beam search as in §6.1
         (beam_size=1: greedy, without length penalty) with its `nbest` best, or `nbest` samples; with
-        cuda_graphs, in static shapes and CUDA graphs (in dynamic ones under constraints). sentence_ids
-        (B,): the lines' numbers (sampling's draws); guides: each line's prefix and phrases."""
+        cuda_graphs, in static shapes and CUDA graphs (in dynamic ones under constraints); with a
+        vocabulary map, over the batch's candidates only. sentence_ids (B,): the lines' numbers
+        (sampling's draws); guides: each line's prefix and phrases."""
         cfg = self.cfg
         model = (
             self.model
@@ -218,16 +229,25 @@ class Translator:
             log.info("constraints: the search runs in dynamic shapes, without CUDA graphs")
             self._said_dynamic = True
         static = cfg.cuda_graphs and constraints is None
-        return beam_search(
-            model,
-            src,
-            search,
-            static=static,
-            linear=linear,
-            sentence_ids=sentence_ids,
-            prefix=prefix,
-            constraints=constraints,
-        )
+        shortlist, packed = None, ExitStack()
+        if self.vocabulary_map is not None:  # the batch's candidates, the forced pieces among them
+            forced = [t for g in guides or [] for t in g.prefix + [t for p in g.phrases for t in p]]
+            shortlist = Shortlist.of(model, self.vocabulary_map.candidates(src.tolist(), forced))
+            chunks = [chunk for weight in shortlist.weights for chunk in projection_chunks(weight)]
+            int8 = cfg.precision == "int8"
+            packed.enter_context(self.kernels.products.prepacked(chunks, int8))
+        with packed:
+            return beam_search(
+                model,
+                src,
+                search,
+                static=static,
+                linear=linear,
+                sentence_ids=sentence_ids,
+                prefix=prefix,
+                constraints=constraints,
+                shortlist=shortlist,
+            )
 
     def search_all(
         self,
