@@ -124,8 +124,10 @@ class LayerCache:
         k, v = self.keys, self.values
         if not self.cache.static and rows.size(0) == k.size(0):
             changed, taken = self.cache.moved(rows)
-            for buffer in (k[:, :, :end], v[:, :, :end]):
-                buffer.index_copy_(0, changed, buffer.index_select(0, taken))  # gathered first: may overlap
+            for buffer, spare in ((k, self.spare[0]), (v, self.spare[1])):
+                gathered = spare[: taken.size(0), :, :end]  # gathered first, so a row may be read and written
+                torch.index_select(buffer[:, :, :end], 0, taken, out=gathered)
+                buffer[:, :, :end].index_copy_(0, changed, gathered)
             return
         spare_k, spare_v = self.spare[0][: rows.size(0)], self.spare[1][: rows.size(0)]
         torch.index_select(k[:, :, :end], 0, rows, out=spare_k[:, :, :end])
