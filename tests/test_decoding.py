@@ -317,14 +317,16 @@ def test_vocabulary_chunks_choose_like_the_whole_vocabulary(monkeypatch, chunk, 
     torch.testing.assert_close(chunked.scores, whole.scores, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows, width, n", [(64, 7400, 2), (128, 7403, 8), (16, 5000, 50), (2, 40, 8)])
-def test_top_n_finds_what_topk_finds(rows, width, n):
+@pytest.mark.parametrize("rows, width, n", [(64, 7400, 2), (128, 7403, 8), (16, 5000, 50), (3, 43, 2)])
+def test_top_n_finds_what_topk_finds(monkeypatch, rows, width, n):
     """The n largest of each row and their indices, best first, as Tensor.topk: with masked (-inf)
-    entries, the best past the last whole segment, and all n best in one column of the segments."""
+    entries, the best past the last whole segment (7,403 and 43 entries), and all n best in one column
+    of the segments; small inputs too (where top_n would hand them to topk)."""
+    monkeypatch.setattr(scoring, "TOP_N_MIN", 0)
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, width, generator=generator) * 4
     x[:, :3] = float("-inf")
-    x[0, -3:] += 30  # past the last whole segment where width is not a multiple of the segments
+    x[0, -3:] += 30  # the best: past the last whole segment where width is not a multiple of 8
     segment = width // scoring.TOP_N_SEGMENTS
     x[1, 1 + segment * torch.arange(scoring.TOP_N_SEGMENTS)] = 50 + torch.arange(8.0)  # one column
     values, index = scoring.top_n(x, n)
