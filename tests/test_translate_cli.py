@@ -282,6 +282,13 @@ def test_settings_that_leave_no_room_and_a_text_hydra_read_as_a_number(tiny_chec
                 TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_a=max_len_a, max_len_b=200)
             )
     assert TranslateConfig(checkpoint=str(tiny_checkpoint), text=123).text == "123"
+    for max_len_b in (10, 200):  # a tiny max_len_a: room beyond any float, or none below 0
+        tiny = TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_a=2.2e-309, max_len_b=max_len_b)
+        if max_len_b < 128:
+            assert Translator.from_checkpoint(tiny).max_source_tokens(tiny.search) == 128
+        else:
+            with pytest.raises(ConfigError, match="max_len_b=200 leaves no room"):
+                Translator.from_checkpoint(tiny)
 
 
 def test_cuda_graphs_without_a_cuda_device_are_refused(tiny_checkpoint):

@@ -105,8 +105,8 @@ class Translator:
         positions = self.max_positions
         if search.max_len_a == 0:
             room = positions if search.max_len_b <= positions else 0
-        else:
-            room = int((positions - search.max_len_b) / search.max_len_a)
+        else:  # a tiny max_len_a gives room beyond the positions, or beyond a float: capped first
+            room = int(max(0.0, min((positions - search.max_len_b) / search.max_len_a, positions)))
         if min(positions, room) < 2:
             raise ConfigError(
                 f"max_len_b={search.max_len_b} leaves no room for a source in this model's "
