@@ -4,6 +4,7 @@ beside it; evaluate.py end to end on a few Multi30k-style lines."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -201,7 +202,8 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
         [*greedy, f"vocabulary_map={vmap}"], capture_output=True, cwd=ROOT, timeout=300, env=env
     )
     assert mapped.returncode == 0, mapped.stderr
-    mapped_path = tmp_path / "checkpoint_last.pt.multi30k.test.greedy.len1x+10.vmap-short.hyp.de"
+    digest = hashlib.sha1(vmap.read_bytes()).hexdigest()[:8]  # another map of that name: another file
+    mapped_path = tmp_path / f"checkpoint_last.pt.multi30k.test.greedy.len1x+10.vmap-short-{digest}.hyp.de"
     assert set(mapped_path.read_text().split()) <= {"⁇"}  # nothing but EOS and UNK to output
     assert json.loads(greedy_path.read_text()) == greedy_report  # not overwritten either
     assert json.loads(Path(f"{report}.bleu.json").read_text()) == result  # not overwritten

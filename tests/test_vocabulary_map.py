@@ -23,6 +23,7 @@ from transformer.decoding import Ensemble, Shortlist, beam_search
 from transformer.inference import vocabulary_map
 from transformer.inference.translation import Translator
 from transformer.inference.vocabulary_map import VocabularyMap
+from transformer.kernels import Products
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,6 +69,9 @@ def test_a_map_file_reads_as_written_in_ctranslate2s_format(tmp_path, tokenizer)
     assert read.candidates([[dog, EOS_ID]]).tolist() == sorted(specials | {der, hund})
     assert read.candidates([[the, dog]], forced=[7]).tolist() == sorted(specials | {der, hund, 7})
     assert read.candidates([[the]]).tolist() == sorted(specials | {der})
+    with open(path, "a", encoding="utf-8") as f:  # blank lines are skipped
+        f.write("\n  \n")
+    assert VocabularyMap.load(path, tokenizer).candidates([[dog]]).tolist() == sorted(specials | {der, hund})
     bad = tmp_path / "bad.txt"
     bad.write_text(f"\t{pieces[der]}\n{pieces[dog]} {pieces[hund]}\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"bad.txt, line 2: no tab"):
@@ -135,9 +139,17 @@ def test_a_shortlist_of_every_piece_decodes_as_the_whole_vocabulary():
         torch.testing.assert_close(every.scores, whole.scores, rtol=1e-6, atol=1e-6)
 
 
-def test_a_shortlist_without_the_specials_is_refused():
+def test_a_shortlist_without_the_specials_for_other_models_or_without_a_forced_piece_is_refused():
+    model = tiny_model(vocab=12, seed=0)
     with pytest.raises(ValueError, match="every special symbol"):
-        Shortlist.of(tiny_model(vocab=12, seed=0), torch.tensor([0, 2, 3, 5]))
+        Shortlist.of(model, torch.tensor([0, 2, 3, 5]))
+    shortlist, src = Shortlist.of(model, torch.tensor([0, 1, 2, 3, 5])), sources([3], 12)
+    with pytest.raises(ValueError, match="made for 1 models, used with 2"):
+        beam_search(Ensemble([model, model], [0.5, 0.5]), src, shortlist=shortlist)
+    with pytest.raises(ValueError, match=r"pieces \[7\] are forced"):
+        beam_search(model, src, shortlist=shortlist, prefix=torch.tensor([[5, 7]]))
+    with pytest.raises(ValueError, match=r"pieces \[9\] are forced"):
+        beam_search(model, src, shortlist=shortlist, constraints=[[[5], [9]]])
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +164,7 @@ def mapped(trained, tmp_path_factory):  # noqa: F811 (the fixture)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_translate_py_outputs_only_the_pieces_a_map_allows(trained, mapped, tmp_path, precision):  # noqa: F811
+def test_translate_py_outputs_only_the_pieces_a_map_allows(trained, mapped, tmp_path, precision, monkeypatch):  # noqa: F811
     path, allowed = mapped
     source = tmp_path / "in.txt"
     source.write_text("\n".join(LINES) + "\n", encoding="utf-8")
@@ -166,7 +178,17 @@ def test_translate_py_outputs_only_the_pieces_a_map_allows(trained, mapped, tmp_
     api = Translator.from_checkpoint(
         str(trained), device="cpu", precision=precision, vocabulary_map=str(path)
     )
+    packed, prepacked = [], Products.prepacked  # each batch's shortlist is packed in the search's precision
+
+    def recording(products, weights, int8=False):
+        weights = list(weights)
+        packed.extend((tuple((w[0] if isinstance(w, tuple) else w).shape), int8) for w in weights)
+        return prepacked(products, weights, int8)
+
+    monkeypatch.setattr(Products, "prepacked", recording)
     narrowed = api.translate(LINES)
+    candidates = len(set(allowed) | {0, 1, 2, 3})  # what the map allows, and the special symbols
+    assert ((candidates, api.model.cfg.d_model), precision == "int8") in packed
     for row, line, expected in zip(rows, LINES, narrowed):
         best = row["hypotheses"][0] if row["hypotheses"] else {"text": "", "pieces": []}
         assert best["text"] == expected

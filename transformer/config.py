@@ -292,7 +292,7 @@ class SearchConfig(Settings):
     topk: int = 0  # sampling: from the k most probable tokens only; 0 = all
     topp: float = 1.0  # sampling: from the most probable tokens whose probability reaches p; 1.0 = all
     temperature: float = 1.0  # sampling: softmax(logits / temperature)
-    seed: int = 0  # sampling: the same seed draws the same samples, whatever the batches
+    seed: int = 0  # sampling: the same seed draws the same samples, whatever the batches (no vocabulary map)
     no_repeat_ngram_size: int = 0  # no output holds an n-gram of this many pieces twice; 0 = off
     repetition_penalty: float = 1.0  # logits of pieces already output: / p where > 0, * p where < 0
     # a line longer than the model takes: "split" at sentence ends (an overlong sentence into parts),

@@ -290,6 +290,8 @@ class BeamSearch:
         hold both; shortlist: the only pieces the outputs may take (a vocabulary map's)."""
         if constraints is not None and (static or search.sampling):
             raise ValueError("constraints take the search in dynamic shapes: not static=True nor sampling")
+        if shortlist is not None:
+            _check_shortlist(shortlist, len(members(model)), prefix, constraints)
         k, alpha = search.width, search.ranking_alpha
         nbest = k if search.sampling else search.nbest  # every sample is kept
         self.model, self.k, self.alpha, self.min_len, self.static = model, k, alpha, min_len, static
@@ -585,6 +587,19 @@ class _Results:
 
     def result(self) -> SearchResult:
         return SearchResult(self.hypotheses)
+
+
+def _check_shortlist(
+    shortlist: Shortlist, models: int, prefix: Tensor | None, constraints: list[list[list[int]]] | None
+) -> None:
+    """A shortlist made for these models that holds every piece a prefix or a constraint forces."""
+    if len(shortlist.weights) != models:
+        raise ValueError(f"a shortlist made for {len(shortlist.weights)} models, used with {models}")
+    forced = [] if prefix is None else prefix[prefix != PAD_ID].tolist()
+    forced += [t for phrases in constraints or [] for phrase in phrases for t in phrase]
+    missing = set(forced) - set(shortlist.ids.tolist())
+    if missing:
+        raise ValueError(f"pieces {sorted(missing)} are forced but not in the shortlist")
 
 
 def _graphed(step: Callable[[], None]) -> Callable[[], None]:

@@ -20,6 +20,7 @@ beside it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -223,14 +224,15 @@ def wants_lowercase(data_name: str, role: str) -> bool:
 
 def _search_name(cfg: EvaluateConfig, models: int, bf16: bool) -> str:
     """The search's own name (`SearchConfig.describe`: `beam4.alpha0.6`, `greedy`, `sample.seed<s>`,
-    ...), then `.bf16` (the weights in bf16, as auto on CUDA) or `.int8`, `.vmap-<file stem>` with a
-    vocabulary map, `.ensemble<n>` for n checkpoints (`.w<w1>-<w2>...` with weights): another search
-    never overwrites a result."""
+    ...), then `.bf16` (the weights in bf16, as auto on CUDA) or `.int8`, `.vmap-<file stem>-<the first
+    8 hex digits of its SHA-1>` with a vocabulary map, `.ensemble<n>` for n checkpoints
+    (`.w<w1>-<w2>...` with weights): another search never overwrites a result."""
     search = cfg.search.describe()
     if cfg.precision == "int8" or bf16:
         search += ".int8" if cfg.precision == "int8" else ".bf16"
     if cfg.vocabulary_map is not None:
-        search += f".vmap-{Path(cfg.vocabulary_map).stem}"
+        path = Path(cfg.vocabulary_map)
+        search += f".vmap-{path.stem}-{hashlib.sha1(path.read_bytes()).hexdigest()[:8]}"
     if models > 1:
         search += f".ensemble{models}" + (
             ".w" + "-".join(f"{w:g}" for w in cfg.weights) if cfg.weights else ""

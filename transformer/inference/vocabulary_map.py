@@ -5,7 +5,8 @@ opt-in, `vocabulary_map=FILE`; docs/translating.md#vocabulary-map).
 The file, CTranslate2's format: a line per source n-gram, `src_1 ... src_n<TAB>tgt_1 ... tgt_k`, pieces
 separated by spaces; the line of the empty n-gram holds the pieces every batch may take. A batch's
 candidates: those, the pieces of every source n-gram of the batch the map holds, the special symbols,
-and the pieces a target prefix or a constraint forces. `build` writes one from a prepared corpus.
+and the pieces a target prefix or a constraint forces. `build` and `write` make one from a prepared
+corpus.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ class VocabularyMap:
     @classmethod
     def read(cls, path: str | Path) -> list[tuple[list[str], list[str]]]:
         """A map file's lines as (source n-gram, its target pieces), as pieces; the empty n-gram's line
-        holds the pieces always allowed. A line without a tab is refused, naming it."""
+        holds the pieces always allowed; blank lines are skipped, and an n-gram's lines add up (where
+        CTranslate2 keeps the last). A line without a tab is refused, naming it."""
         entries = []
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
                 source, tab, targets = line.rstrip("\n").partition("\t")
                 if not tab:
                     raise ConfigError(f"vocabulary_map={path}, line {number}: no tab after the source n-gram")
@@ -96,19 +100,23 @@ def build(
     counts = np.zeros(0, dtype=np.int64)  # in how many pairs
     chunk: list[np.ndarray] = []
 
+    pending = 0  # codes in `chunk`
+
     def merge() -> tuple[np.ndarray, np.ndarray]:
-        new = np.concatenate(chunk)
+        new, new_counts = np.unique(np.concatenate(chunk), return_counts=True)
         chunk.clear()
         merged, inverse = np.unique(np.concatenate([codes, new]), return_inverse=True)
-        weights = np.concatenate([counts, np.ones(len(new), dtype=np.int64)])
+        weights = np.concatenate([counts, new_counts]).astype(np.float64)  # exact below 2**53
         return merged, np.bincount(inverse, weights=weights, minlength=len(merged)).astype(np.int64)
 
     for src, tgt in pairs:
         s, t = np.unique(src), np.unique(tgt)
         target_count[t] += 1
         chunk.append((s[:, None].astype(np.int64) * vocab + t[None, :]).ravel())
-        if len(chunk) >= 4096:
+        pending += chunk[-1].size
+        if pending >= max(len(codes), 1 << 22):  # merged as often as the counts double: n log n in all
             codes, counts = merge()
+            pending = 0
     if chunk:
         codes, counts = merge()
     target_count[: EOS_ID + 1] = 0  # the specials are always allowed anyway
