@@ -99,7 +99,7 @@ def test_a_reorder_moves_every_layers_keys_and_values_with_their_rows(static):
 @torch.inference_mode()
 def test_the_beams_of_a_sentence_keep_their_histories_through_reorders(static):
     """Beams that extend their own rows, another's, or several of one, read as a full decode of their
-    histories (the dynamic layout copies only the rows a reorder changes)."""
+    histories."""
     model = plain_model()
     src = sources([5], 40)
     mask = model.src_mask(src)

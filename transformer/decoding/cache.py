@@ -32,7 +32,6 @@ class DecoderCache:
         self.key_positions = torch.arange(limit, device=memory.device)[None]  # (1, L)
         self.key_mask = torch.zeros(1, limit, dtype=torch.bool, device=memory.device)  # written (static)
         self.layers = [LayerCache(self, layer, memory, rows, limit) for layer in model.decoder]
-        self._moved: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, its moved rows, their sources)
 
     def positions(self, t: int) -> Tensor:
         """(T,) the positions of the next T tokens; marks them as written for the static layout."""
@@ -55,14 +54,6 @@ class DecoderCache:
             layer.reorder(rows, sentences)
         if sentences is not None:
             self.src_mask = self.src_mask.index_select(0, sentences)
-
-    def moved(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """The rows i a reorder `rows` changes (rows[i] != i), (M,), and the rows they take, (M,):
-        one read from the device per reorder, shared by the layers."""
-        if self._moved is None or self._moved[0] is not rows:
-            changed = (rows != torch.arange(rows.size(0), device=rows.device)).nonzero().squeeze(1)
-            self._moved = (rows, changed, rows[changed])
-        return self._moved[1], self._moved[2]
 
 
 class LayerCache:
@@ -117,18 +108,9 @@ class LayerCache:
             self.cross = (self.cross[0].index_select(0, sentences), self.cross[1].index_select(0, sentences))
 
     def _move(self, rows: Tensor, end: int) -> None:
-        """Carry out a reorder on the first `end` positions. The dynamic layout, with no sentence
-        leaving, copies the changed rows only, in place (many beams extend their own hypothesis);
-        otherwise one copy into the spare buffers, which then trade places with the layer's buffers
-        (rows only ever shrink: the spare ones have enough)."""
+        """One copy of the first `end` positions into the spare buffers, which then trade places with
+        the layer's buffers (rows only ever shrink: the spare ones have enough)."""
         k, v = self.keys, self.values
-        if not self.cache.static and rows.size(0) == k.size(0):
-            changed, taken = self.cache.moved(rows)
-            for buffer, spare in ((k, self.spare[0]), (v, self.spare[1])):
-                gathered = spare[: taken.size(0), :, :end]  # gathered first, so a row may be read and written
-                torch.index_select(buffer[:, :, :end], 0, taken, out=gathered)
-                buffer[:, :, :end].index_copy_(0, changed, gathered)
-            return
         spare_k, spare_v = self.spare[0][: rows.size(0)], self.spare[1][: rows.size(0)]
         torch.index_select(k[:, :, :end], 0, rows, out=spare_k[:, :, :end])
         torch.index_select(v[:, :, :end], 0, rows, out=spare_v[:, :, :end])
