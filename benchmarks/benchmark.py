@@ -36,8 +36,9 @@ decode  Random weights, `--src-len` source tokens, exactly `--new-tokens` output
         on CUDA also beam_search in static shapes with each step a CUDA graph replay, as translate.py
         cuda_graphs=true), Hugging Face `generate` and CTranslate2 (the same Marian model converted;
         fp32 on the CPU, `--ct2-compute` on CUDA): output tokens/s, sentences/s, over `--decode-rounds`
-        rounds (more while `--time-box` seconds last).
-        The goals compare the fastest of ours with each peer.
+        rounds (more while `--time-box` seconds last). With `--vocabulary-map K`, ours also with a
+        shortlist of K pieces per batch (vocabulary_map=FILE at K candidates), beside ours.
+        The goals compare the fastest of ours with each peer, the shortlist not counted.
 data    TokenBudgetBatchSampler on `--data-pairs` synthetic WMT-like lengths at `--data-budget` tokens:
         build time and padding; with `--corpus-dir` (files train.<src>, train.<tgt>, maybe .gz) also the
         throughput of transformer.data.prepare.prepare (BPE learning + binarization), in pairs/s, and
@@ -146,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--greedy-sentences", type=int, help="decode: sentences for greedy (512 / 64)")
     p.add_argument("--decode-rounds", type=int, help="decode: timed runs per decoder, at least (5)")
     p.add_argument(
+        "--vocabulary-map", type=int, default=0, help="decode: also ours with a shortlist of this many pieces"
+    )
+    p.add_argument(
         "--time-box", type=float, default=0.0, help="train, decode: go on timing rounds for this many seconds"
     )
     p.add_argument("--ct2-compute", default="bfloat16", help="decode: CTranslate2 compute type on CUDA")
@@ -189,6 +193,9 @@ def _resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser)
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     if args.src_len < 2:
         parser.error("--src-len must be at least 2 (pieces + EOS)")
+    vocab = SIZES[args.size].vocab_size
+    if args.vocabulary_map and not 4 < args.vocabulary_map <= vocab:
+        parser.error(f"--vocabulary-map={args.vocabulary_map} must be 0 (off) or 5 to {vocab:,} pieces")
     try:
         args.loop_steps = tuple(int(n) for n in args.loop_steps.split(","))
     except ValueError:

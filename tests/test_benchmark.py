@@ -91,7 +91,7 @@ def test_every_section_at_tiny_sizes(tmp_path):
     sentences, new_tokens = 3, 5
     report = run_benchmark(
         tmp_path, "--no-compile", "--beam-sentences", str(sentences), "--greedy-sentences", str(sentences),
-        "--src-len", "6", "--new-tokens", str(new_tokens), "--decode-rounds", "1",
+        "--src-len", "6", "--new-tokens", str(new_tokens), "--decode-rounds", "1", "--vocabulary-map", "100",
         "--data-pairs", "20000", "--corpus-dir", str(corpus), "--prepare-vocab", "60",
     )  # fmt: skip
     check_train(report["train"], {"ours", "nn.Transformer", "Marian (HF)"}, {"eager"})
@@ -101,6 +101,7 @@ def test_every_section_at_tiny_sizes(tmp_path):
             "ours",
             "ours, products only",  # the bound: its linear maps alone
             *policies,  # the search's other policies, against beam 4 only
+            "ours, 100 candidates",  # --vocabulary-map: a shortlist of 100 pieces per batch
             *side_rows(),  # on a CPU, beside the kernels its instruction set chose
             "ours int8",
             "ours int8, products only",
@@ -288,16 +289,23 @@ def test_the_goals_of_a_saved_run_are_those_of_its_device(tmp_path):
     assert "beam 4, ours vs CTranslate2 bfloat16" in arm and not any("int8" in goal for goal in arm)
 
 
-@pytest.mark.parametrize("flags", [["--loop-steps", "0,3"], ["--loop-steps", "5"], ["--loop-runs", "fast"]])
-def test_bad_loop_flags_are_refused_before_any_work(flags):
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--loop-steps", "0,3"], "--loop-steps"),
+        (["--loop-steps", "5"], "--loop-steps"),
+        (["--loop-runs", "fast"], "unknown section(s), peer(s) or loop run(s): fast"),
+        (["--vocabulary-map", "3"], "--vocabulary-map=3 must be 0 (off) or 5 to 37,000 pieces"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_work(flags, said):
     done = subprocess.run(
         [sys.executable, str(BENCHMARK), "--sections", "loop", *flags],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2
-    assert "--loop-steps" in done.stderr or "unknown section(s), peer(s) or loop run(s): fast" in done.stderr
+    assert done.returncode == 2 and said in done.stderr
 
 
 def load_benchmark(monkeypatch: pytest.MonkeyPatch):

@@ -27,7 +27,7 @@ from harness.measure import (
 )
 from harness.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ConfigError, DecodeConfig, ModelConfig, SearchConfig
-from transformer.decoding import beam_search, search_weights, vocab_chunks
+from transformer.decoding import Shortlist, beam_search, projection_chunks, search_weights, vocab_chunks
 from transformer.inference.translation import rows
 from transformer.kernels import Kernels
 from transformer.kernels.timing import decoding_kernels
@@ -38,6 +38,11 @@ from transformer.vocab import EOS_ID
 POLICIES = ("ours, n-best 4", "ours, 4 samples (top-k 50)")
 PRODUCTS, PRODUCTS_INT8 = "ours, products only", "ours int8, products only"  # the bounds on ours' speed
 SIDE_ROWS = (*POLICIES, KERNELS_OFF, KERNELS_ON, PRODUCTS, PRODUCTS_INT8)  # compared with ours, not peers
+SHORTLIST = "ours, {:,} candidates"  # --vocabulary-map K: also compared with ours only
+
+
+def side_row(name: str) -> bool:
+    return name in SIDE_ROWS or name.endswith(" candidates")
 
 
 def decode_inputs(cfg: ModelConfig, n: int, src_len: int, seed: int) -> dict[str, Any]:
@@ -97,6 +102,28 @@ def products_decoder(ours: Callable[[Tensor, int], int], new_tokens: int) -> Cal
     return run
 
 
+def shortlist_decoder(
+    ours: Callable[[Tensor, int], int], new_tokens: int, k: int
+) -> Callable[[Tensor, int], int]:
+    """The decoder `ours` (an `ours_decoder`) with the shortlist of a vocabulary map that gives each batch
+    k candidates: the special symbols and k - 4 other pieces, drawn once (what `vocabulary_map=FILE`
+    saves at that many candidates; section_decode packs their weights)."""
+    model, products = ours.model, ours.products
+    vocab = model.cfg.vocab_size
+    others = torch.randperm(vocab - EOS_ID - 1, generator=torch.Generator().manual_seed(0))[: k - EOS_ID - 1]
+    ids = torch.cat([torch.arange(EOS_ID + 1), others.sort().values + EOS_ID + 1])
+    shortlist = Shortlist.of(model, ids.to(model.embed.weight.device))
+
+    def run(src: Tensor, beam: int) -> int:
+        search = SearchConfig(beam_size=beam, max_len_a=0.0, max_len_b=new_tokens)
+        result = beam_search(model, src, search, new_tokens, linear=products, shortlist=shortlist)
+        return sum(len(tokens) for tokens in result.tokens)
+
+    run.model, run.products = model, products
+    run.weights = [chunk for weight in shortlist.weights for chunk in projection_chunks(weight)]
+    return run
+
+
 def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     """The row of ours a peer is compared with: ours int8 for int8 peers (None where it did not run),
     else the fastest of ours (the search's 1-best; the n-best and sampling rows are compared with it
@@ -104,7 +131,7 @@ def ours_for(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     if "int8" in name:
         return next((r for r in rows if r["decoder"] == "ours int8"), None)
     plain = (r for r in rows if r["decoder"].startswith("ours") and "int8" not in r["decoder"])
-    return max((r for r in plain if r["decoder"] not in SIDE_ROWS), key=lambda r: r["tokens_per_s"])
+    return max((r for r in plain if not side_row(r["decoder"])), key=lambda r: r["tokens_per_s"])
 
 
 def hf_decoder(model: nn.Module, new_tokens: int) -> Callable[[Tensor, int], int]:
@@ -152,6 +179,9 @@ def build_decoders(
     decoders[POLICIES[0]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, nbest=4))
     sampling = {"sampling": True, "nbest": 4, "topk": 50}
     decoders[POLICIES[1]] = ("ours", ours_decoder(ours, args.new_tokens, kernels, **sampling))
+    if args.vocabulary_map:
+        shortlist = shortlist_decoder(decoders["ours"][1], args.new_tokens, args.vocabulary_map)
+        decoders[SHORTLIST.format(args.vocabulary_map)] = ("ours", shortlist)
     for name, side in side_kernels(setup.device, kernels).items():  # the same search, cpu_kernels=off (=on)
         decoders[name] = ("ours", ours_decoder(ours, args.new_tokens, side))
     if not cuda:  # translate.py precision=int8, where it runs: a copy of the weights in 8 bits
@@ -262,6 +292,9 @@ def section_decode(
             if name in decoders:
                 run = decoders[name][1]
                 packed.enter_context(run.products.prepacked(search_weights(run.model, int8), int8))
+        if args.vocabulary_map:
+            run = decoders[SHORTLIST.format(args.vocabulary_map)][1]
+            packed.enter_context(run.products.prepacked(run.weights))
         greedy = {name: decoder for name, decoder in decoders.items() if name not in POLICIES}
         with torch.inference_mode(), packed:
             return {
