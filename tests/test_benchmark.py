@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -200,22 +201,27 @@ def test_a_compile_that_fails_leaves_only_the_compiled_models_out(tmp_path):
     assert {note.split(" compiled")[0] for note in failed} == {"ours", "nn.Transformer"}, report["notes"]
 
 
-def summarize(tmp_path: Path, report: dict) -> dict[str, str]:
-    """`--summarize` on a saved report: each goal's printed line, by goal."""
+def summarize(tmp_path: Path, report: dict, main: Callable[[list[str]], str] | None = None) -> dict[str, str]:
+    """`--summarize` on a saved report: each goal's printed line, by goal; the command itself, or its
+    `main` in this process (what it prints)."""
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps(report))
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--summarize", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    goals = [line.strip() for line in done.stdout.splitlines() if line.startswith("  ")]
+    if main is None:
+        done = subprocess.run(
+            [sys.executable, str(BENCHMARK), "--summarize", str(saved)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        printed = done.stdout
+    else:
+        printed = main(["--summarize", str(saved)])
+    goals = [line.strip() for line in printed.splitlines() if line.startswith("  ")]
     return {line.split(": ")[0]: line.split(": ", 1)[1] for line in goals}
 
 
-def test_the_goals_of_a_saved_run_are_those_of_its_device(tmp_path):
+def test_the_goals_of_a_saved_run_are_those_of_its_device(tmp_path, monkeypatch, capsys):
     """On CUDA: vs the compiled nn.Transformer (2x), the peak memory with weights and Adam (<= 10 GiB) and
     beam 4 vs Hugging Face (5x); on an AVX-512 CPU: vs nn.Transformer in its fastest mode (1.3x), beam 4
     vs CTranslate2 (1.2x) and Hugging Face (2x); on AVX2: 1.0x, beam 4 1.0x and 1.2x in 8 bits, greedy
@@ -242,7 +248,13 @@ def test_the_goals_of_a_saved_run_are_those_of_its_device(tmp_path):
         "decode": {"beam4": {"rows": beam}},
     }
 
-    cuda = summarize(tmp_path, {**report, "meta": {"device": "cuda"}})
+    cuda = summarize(tmp_path, {**report, "meta": {"device": "cuda"}})  # the command, once
+    benchmark = load_benchmark(monkeypatch)
+
+    def main(argv: list[str]) -> str:
+        benchmark.main(argv)
+        return capsys.readouterr().out
+
     assert cuda["train step, ours (compiled) vs nn.Transformer (compiled)"] == "2.08x (target >= 2.0x: met)"
     memory = cuda["train step peak memory, ours (compiled), 24,576 target tokens"]
     assert memory == "10.7 GiB (target <= 10 GiB: NOT met)"
@@ -254,13 +266,13 @@ def test_the_goals_of_a_saved_run_are_those_of_its_device(tmp_path):
         {"decoder": "ours int8", "tokens_per_s": 800.0},
         {"decoder": "CTranslate2 int8", "tokens_per_s": 700.0},
     ]
-    cpu = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "AVX512-BF16"}}})
+    cpu = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "AVX512-BF16"}}}, main)
     assert cpu["beam 4, ours int8 vs CTranslate2 int8"] == "1.14x (target >= 1.2x: NOT met)"
     assert cpu["train step, ours (compiled) vs nn.Transformer (eager)"] == "1.92x (target >= 1.3x: met)"
     assert cpu["beam 4, ours vs CTranslate2 bfloat16"] == "0.60x (target >= 1.2x: NOT met)"
     assert cpu["beam 4, ours vs HF generate"] == "2.40x (target >= 2.0x: met)"
     assert not any("memory" in goal for goal in cpu)
-    avx2 = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "AVX2"}}})
+    avx2 = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "AVX2"}}}, main)
     assert avx2["train step, ours (compiled) vs nn.Transformer (eager)"].endswith("(target >= 1.0x: met)")
     assert avx2["beam 4, ours vs CTranslate2 bfloat16"].endswith("(target >= 1.0x: NOT met)")
     assert avx2["beam 4, ours int8 vs CTranslate2 int8"].endswith("(target >= 1.2x: NOT met)")
@@ -271,21 +283,21 @@ def test_the_goals_of_a_saved_run_are_those_of_its_device(tmp_path):
         {"decoder": "CTranslate2 float32", "tokens_per_s": 1000.0},
     ]
     with_greedy = {**report, "decode": {**report["decode"], "greedy": {"rows": greedy}}}
-    avx2 = summarize(tmp_path, {**with_greedy, "meta": {"device": "cpu", "cpu": {"isa": "AVX2"}}})
+    avx2 = summarize(tmp_path, {**with_greedy, "meta": {"device": "cpu", "cpu": {"isa": "AVX2"}}}, main)
     assert avx2["greedy, ours vs CTranslate2 float32"] == (
         "0.90x (target >= 1.1x: NOT met; its products alone 1.40x)"
     )
-    wide = summarize(tmp_path, {**with_greedy, "meta": {"device": "cpu", "cpu": {"isa": "AVX-512"}}})
+    wide = summarize(tmp_path, {**with_greedy, "meta": {"device": "cpu", "cpu": {"isa": "AVX-512"}}}, main)
     assert not any(goal.startswith("greedy") for goal in wide)  # AVX-512 CPUs: beam 4 goals only
     # each round's times: the median of the rounds' ratios (1.05), not the ratio of the medians (1.30)
     beam[0]["run_times_s"] = [1.0, 1.0, 1.0, 1.0, 1.0]
     beam[1]["run_times_s"] = [1.05, 1.3, 1.05, 1.3, 1.05]
-    rounds = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "AVX2"}}})
+    rounds = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "AVX2"}}}, main)
     assert rounds["beam 4, ours vs CTranslate2 bfloat16"] == (
         "1.05x (median of 5 rounds, 1.05-1.30; target >= 1.0x: met)"
     )
     del beam[-2]  # an ARM CPU: no int8 of ours (fbgemm is x86 only), so no int8 goal
-    arm = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "DEFAULT"}}})
+    arm = summarize(tmp_path, {**report, "meta": {"device": "cpu", "cpu": {"isa": "DEFAULT"}}}, main)
     assert "beam 4, ours vs CTranslate2 bfloat16" in arm and not any("int8" in goal for goal in arm)
 
 
