@@ -27,7 +27,7 @@ from harness.measure import (
 )
 from harness.peers import Ct2Process, MarianVocabulary, build_marian, ct2_convert
 from transformer.config import ConfigError, DecodeConfig, ModelConfig, SearchConfig
-from transformer.decoding import Shortlist, beam_search, projection_chunks, search_weights, vocab_chunks
+from transformer.decoding import Shortlist, beam_search, search_weights, vocab_chunks
 from transformer.inference.translation import rows
 from transformer.kernels import Kernels
 from transformer.kernels.timing import decoding_kernels
@@ -120,7 +120,7 @@ def shortlist_decoder(
         return sum(len(tokens) for tokens in result.tokens)
 
     run.model, run.products = model, products
-    run.weights = [chunk for weight in shortlist.weights for chunk in projection_chunks(weight)]
+    run.weights = shortlist.chunks()
     return run
 
 

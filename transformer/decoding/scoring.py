@@ -79,6 +79,11 @@ class Shortlist:
         weights = [m.embed.weight.index_select(0, ids.to(m.embed.weight.device)) for m in members(model)]
         return cls(ids.to(weights[0].device), weights)
 
+    def chunks(self) -> list[Tensor]:
+        """Every member's rows a chunk at a time, as the search projects them (`projection_chunks`):
+        the weights to pack for the batch."""
+        return [chunk for weight in self.weights for chunk in projection_chunks(weight)]
+
     def widen(self, logits: Tensor, vocab: int) -> Tensor:
         """logits (R, K) over the shortlist -> (R, vocab), -inf for the pieces outside it."""
         return logits.new_full((logits.size(0), vocab), NEG_INF).index_copy_(1, self.ids, logits)

@@ -32,7 +32,6 @@ from transformer.decoding import (
     Shortlist,
     beam_search,
     length_penalty,
-    projection_chunks,
     search_weights,
 )
 from transformer.decoding.scoring import Linear, project
@@ -233,9 +232,7 @@ class Translator:
         if self.vocabulary_map is not None:  # the batch's candidates, the forced pieces among them
             forced = [t for g in guides or [] for t in g.prefix + [t for p in g.phrases for t in p]]
             shortlist = Shortlist.of(model, self.vocabulary_map.candidates(src.tolist(), forced))
-            chunks = [chunk for weight in shortlist.weights for chunk in projection_chunks(weight)]
-            int8 = cfg.precision == "int8"
-            packed.enter_context(self.kernels.products.prepacked(chunks, int8))
+            packed.enter_context(self.kernels.products.prepacked(shortlist.chunks(), cfg.precision == "int8"))
         with packed:
             return beam_search(
                 model,
