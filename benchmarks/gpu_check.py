@@ -290,7 +290,8 @@ def _pytest(dry_run: bool) -> list[str]:
     collect = ["--collect-only", "-q"] if dry_run else ["-v", "--tb=short", "-rfE"]
     if importlib.util.find_spec("pytest_timeout") and not dry_run:
         collect.append("--timeout=90")  # a hung test fails with its stack instead of taking the step
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *collect]
+    # in one process: workers would share the one GPU
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider", *collect]
 
 
 def _benchmark(dry_run: bool, json_path: Path) -> list[str]:

@@ -23,6 +23,12 @@ from transformer.vocab import EOS_ID, PAD_ID
 # the user's cache; the apps the tests start inherit it.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="transformer-tests-")
 
+# The suite runs in one worker per core (pytest-xdist, `-n auto`): each worker, and every app it starts,
+# takes one thread, so that workers never wait on each other's spinning threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # The apps' defaults, as each app registers them, for the tests that compose configs/ with Hydra.
 for app in ("train", "translate", "evaluate", "visualize", "export", "prepare_data"):
     ConfigStore.instance().store(name=f"{app}_defaults", node=app_defaults(app))
