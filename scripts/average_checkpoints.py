@@ -3,9 +3,11 @@ for the base models, the last 20 for the big ones), which translation loads like
 
     python scripts/average_checkpoints.py --run-dir runs/paper_base --last 5
     python scripts/average_checkpoints.py --inputs a.pt b.pt c.pt --output averaged.pt
+    python scripts/average_checkpoints.py --run-dir runs/ema --last 1 --trained --output trained.pt
 
 Default output: <run_dir>/checkpoints/checkpoint_average_last<K>.pt (not a name `trainer.resume=auto`
-picks up). The result has no optimizer or data state: it is for translation, not for resuming.
+picks up; with --trained, checkpoint_average_last<K>_trained.pt). The result has no optimizer or data
+state: it is for translation, not for resuming.
 """
 
 import argparse
@@ -30,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--last", type=int, default=5, help="how many of the run's newest checkpoints (default 5)"
     )
     parser.add_argument("--output", type=Path, help="where to write the average")
+    parser.add_argument(
+        "--trained",
+        action="store_true",
+        help="average the trained weights of a run with trainer.ema_decay, not their moving average "
+        "(the weights of the same run without it)",
+    )
     return parser.parse_args(argv)
 
 
@@ -55,7 +63,9 @@ def main(argv: list[str] | None = None) -> Path:
             )
         paths = found[-args.last :]
         output = args.output or averaged_path(args.run_dir, args.last)
-    averaged = average_checkpoints(paths)
+    if args.trained and not args.output:  # beside the average of the averages, not over it
+        output = output.with_name(f"{output.stem}_trained.pt")
+    averaged = average_checkpoints(paths, args.trained)
     write_checkpoint(averaged, output)
     print(f"averaged {len(paths)} checkpoints ({paths[0].name} .. {paths[-1].name}) into {output}")
     return output

@@ -3,6 +3,10 @@ training itself unchanged (bitwise), validation translating with the average, ex
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_training_run import compose_config, corpus, overrides  # noqa: F401 (corpus: a fixture)
@@ -15,6 +19,7 @@ from transformer.training import Parts, train
 from transformer.training.monitor import Monitor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+AVERAGE = Path(__file__).resolve().parents[1] / "scripts" / "average_checkpoints.py"
 DECAY, STEPS = 0.9, 8
 EVERY_STEP = ("trainer.save_every_steps=1", "trainer.keep_last=20", "trainer.translate_every_steps=4")
 
@@ -103,6 +108,32 @@ def test_averaging_takes_the_averages_and_leaves_no_trained_weights(runs):
     name = "embed.tokens.weight"
     expected = (ckpts[0]["model"][name].double() + ckpts[1]["model"][name].double()) / 2
     torch.testing.assert_close(averaged["model"][name], expected.float())
+
+
+def test_the_script_averages_the_trained_weights_as_those_of_a_run_without_the_average(runs):
+    """--trained gives what averaging the same run without trainer.ema_decay gives, bitwise, beside the
+    average of the averages; a run without trained weights apart is refused in one line."""
+    averaged, plain = runs
+    done = subprocess.run(
+        [sys.executable, AVERAGE, "--run-dir", averaged, "--last", "3", "--trained"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    written = load_checkpoint(checkpoint_dir(averaged) / "checkpoint_average_last3_trained.pt")
+    expected = average_checkpoints(
+        [checkpoint_dir(plain) / f"checkpoint_{k}.pt" for k in range(STEPS - 2, STEPS + 1)]
+    )
+    assert written["model"].keys() == expected["model"].keys() and "trained_model" not in written
+    for name, tensor in expected["model"].items():
+        assert torch.equal(written["model"][name], tensor), name
+    refused = subprocess.run(
+        [sys.executable, AVERAGE, "--run-dir", plain, "--last", "1", "--trained"],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert f"checkpoint_{STEPS}.pt holds no trained weights beside an average" in refused.stderr
 
 
 def test_a_decay_of_one_is_refused(corpus, tmp_path):  # noqa: F811

@@ -350,29 +350,34 @@ def _resumable(path: Path, problems: list[str]) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------------------- averaging
 
 
-def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
-    """The element-wise arithmetic mean of the models' parameters (§6.1), as a standalone checkpoint.
+def average_checkpoints(paths: Sequence[str | Path], trained: bool = False) -> dict[str, Any]:
+    """The element-wise arithmetic mean of the models' parameters (§6.1), as a standalone checkpoint;
+    with `trained`, of the trained weights of checkpoints whose model is their average
+    (`trainer.ema_decay`): the weights of the same run without it.
 
     Everything else (config, tokenizer, step) comes from the last path; the resume state is dropped.
     Floating-point tensors are summed in float64 and cast back to their own dtype.
     """
     if not paths:
         raise CheckpointError("no checkpoints to average")
+    weights = TRAINED if trained else "model"
     sums: dict[str, torch.Tensor] = {}
     last: dict[str, Any] = {}
     for path in paths:
         ckpt = load_checkpoint(path)
+        if weights not in ckpt:
+            raise CheckpointError(f"{path} holds no trained weights beside an average: its model is them")
         if last and ckpt["model_config"] != last["model_config"]:
             raise CheckpointError(f"{path} has another model configuration than {paths[0]}; cannot average")
-        if last and ckpt["model"].keys() != last["model"].keys():
+        if last and ckpt[weights].keys() != last[weights].keys():
             raise CheckpointError(f"{path} has different parameter names from {paths[0]}; cannot average")
-        for name, tensor in ckpt["model"].items():
+        for name, tensor in ckpt[weights].items():
             if tensor.is_floating_point():
                 sums[name] = sums.get(name, 0) + tensor.double()
         last = ckpt
     model = {
         name: (sums[name] / len(paths)).to(tensor.dtype) if name in sums else tensor
-        for name, tensor in last["model"].items()
+        for name, tensor in last[weights].items()
     }
     averaged = {key: value for key, value in last.items() if key not in (*RESUME_KEYS, TRAINED, "interim")}
     averaged["model"] = model
