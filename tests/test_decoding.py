@@ -334,6 +334,16 @@ def test_top_n_finds_what_topk_finds(monkeypatch, rows, width, n):
     assert torch.equal(values, expected_values) and torch.equal(index, expected_index)
 
 
+def test_top_n_gives_a_row_the_same_indices_alone_and_in_a_batch():
+    """Among exactly equal entries a row's indices do not depend on the rows beside it (a line's output
+    never depends on its batch)."""
+    x = torch.randn(16, 7400, generator=torch.Generator().manual_seed(0))
+    x[:, [100, 7, 2875]] = 20.0  # a three-way tie for the best
+    batched = scoring.top_n(x, 2)[1]
+    for i in range(x.size(0)):
+        assert torch.equal(scoring.top_n(x[i : i + 1], 2)[1][0], batched[i]), i
+
+
 def test_a_search_ranking_by_top_n_decodes_as_by_topk(monkeypatch):
     model = tiny_model(vocab=40, seed=4)
     src = sources([3, 7, 5], 40)

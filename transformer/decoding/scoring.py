@@ -36,7 +36,7 @@ from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 NEG_INF = float("-inf")
 VOCAB_CHUNK = 8192  # vocabulary entries projected at once on a CPU while choosing the next tokens
 TOP_N_SEGMENTS = 8  # `top_n`: a row of C entries seen as 8 segments of C / 8
-TOP_N_MIN = 1 << 16  # `top_n` takes Tensor.topk itself on fewer entries, where its own calls would cost more
+TOP_N_MIN = 4096  # `top_n` takes Tensor.topk itself on rows of fewer entries, where its calls cost more
 Linear = Callable[[Tensor, Tensor], Tensor]  # x (R, d), W (V', d) -> x W^T: F.linear, or kernels.Products
 
 
@@ -111,7 +111,7 @@ def top_n(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
     The values are topk's; among exactly equal entries the indices taken may differ."""
     r, c = x.shape
     width = c // TOP_N_SEGMENTS
-    if x.numel() < TOP_N_MIN or width < n or not x.is_cpu:
+    if c < TOP_N_MIN or width < n or not x.is_cpu:  # never by the rows: a row's result is its own
         return x.topk(n, dim=-1)
     whole = width * TOP_N_SEGMENTS
     column_max = x[:, :whole].view(r, TOP_N_SEGMENTS, width).amax(dim=1)  # (R, width)
