@@ -16,6 +16,7 @@ from conftest import sources, tiny_model
 
 from transformer.config import ConfigError, SearchConfig
 from transformer.decoding import Ensemble, beam_search
+from transformer.decoding.scoring import sample_tokens
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -167,6 +168,16 @@ def test_samples_follow_the_models_distribution(shape):
     for h in result.hypotheses[0][:20]:
         tokens = h.tokens or [EOS_ID]
         assert h.log_prob == pytest.approx(float(log_probs[tokens[0]]), abs=1e-5)
+
+
+def test_a_draw_that_rounds_to_the_whole_mass_never_takes_a_token_of_none():
+    """Where the last tokens have no probability (the pieces outside a shortlist), the largest draw, which
+    float32 rounds to the whole mass, takes the last token of some probability."""
+    log_probs = torch.full((2, 100), float("-inf"))
+    log_probs[:, :10] = torch.linspace(-1.0, -3.0, 10)
+    log_probs[1, 40] = -1.5  # one in the middle, the tail after it of none
+    draws = torch.tensor([1 - 2**-53] * 2, dtype=torch.float64)  # the largest uniform_draws gives
+    assert sample_tokens(log_probs, SearchConfig(sampling=True), draws)[:, 0].tolist() == [9, 40]
 
 
 @pytest.mark.parametrize("static", [False, True])

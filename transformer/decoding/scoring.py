@@ -295,8 +295,8 @@ def sample_tokens(log_probs: Tensor, sampling: SearchConfig, draws: Tensor) -> T
     (`SearchConfig`: softmax(logits / temperature), the `topk` most probable (0 = all), the smallest set
     whose probability reaches `topp` (1.0 = all)), by inverse transform with the uniform numbers draws
     (R,). With top-k only the k best are ranked and summed; plain sampling sums the whole vocabulary
-    in float32 (its last entry, a real piece, takes a draw that rounding pushes past the sum), top-p
-    in float64."""
+    in float32, top-p in float64; a draw that rounding pushes to the sum takes the last entry of some
+    probability (never one of none, as the pieces outside a shortlist)."""
     index = None  # the vocabulary ids of the columns kept, when not all of them
     logits = log_probs
     if 0 < sampling.topk < log_probs.size(-1):
@@ -309,6 +309,9 @@ def sample_tokens(log_probs: Tensor, sampling: SearchConfig, draws: Tensor) -> T
         before = probs.cumsum(dim=-1) - probs  # mass of the more probable tokens
         probs = probs.masked_fill(before >= sampling.topp, 0.0)  # the first always stays
     cdf = probs.cumsum(dim=-1)
-    target = (draws[:, None] * cdf[:, -1:].double()).to(cdf.dtype)  # (R, 1), within the kept mass
+    total = cdf[:, -1:]  # (R, 1) the kept mass
+    target = torch.minimum(
+        (draws[:, None] * total.double()).to(cdf.dtype), total.nextafter(total.new_zeros(()))
+    )
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=probs.size(-1) - 1)  # (R, 1)
     return pick if index is None else index.gather(1, pick)
