@@ -6,6 +6,8 @@ allowed, and per source piece the target pieces most often found in the same pai
     python scripts/vocabulary_map.py data/wmt14 --output vmap.txt --per-source 50 --max-pairs 1000000
 
 The corpus is a run's `data.path` (prepare_data.py's output): the map is in its tokenizer's pieces.
+The counts take ~16 bytes per distinct (source piece, target piece) pair seen together, a number that
+grows with the pairs read: --max-pairs bounds it on a large corpus.
 """
 
 import argparse
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"--output {args.output} must be a file in an existing directory")
         tokenizer = Tokenizer.from_file(args.data / "spm.model")
         pairs = ShardDataset(args.data, "train")
+        if len(pairs) == 0:
+            raise ConfigError(f"{args.data} holds no training pairs to count")
         read = itertools.islice((pairs[i] for i in range(len(pairs))), args.max_pairs)
         frequent, rules = vocabulary_map.build(read, tokenizer.vocab_size, args.always, args.per_source)
         vocabulary_map.write(args.output, tokenizer, frequent, rules)

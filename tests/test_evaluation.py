@@ -205,6 +205,8 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     digest = hashlib.sha1(vmap.read_bytes()).hexdigest()[:8]  # another map of that name: another file
     mapped_path = tmp_path / f"checkpoint_last.pt.multi30k.test.greedy.len1x+10.vmap-short-{digest}.hyp.de"
     assert set(mapped_path.read_text().split()) <= {"⁇"}  # nothing but EOS and UNK to output
+    unmapped = greedy_path.with_name(greedy_path.name.replace(".bleu.json", ".hyp.de"))
+    assert set(unmapped.read_text().split()) - {"⁇"}  # without the map: other words
     assert json.loads(greedy_path.read_text()) == greedy_report  # not overwritten either
     assert json.loads(Path(f"{report}.bleu.json").read_text()) == result  # not overwritten
     for topk in (5, 10):  # samples narrowed otherwise: each its own result

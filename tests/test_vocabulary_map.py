@@ -7,17 +7,22 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import sources, tiny_model
 from test_serve import CHECKPOINT, Running
+from test_training_run import WORDS, compose_config, corpus, overrides  # noqa: F401 (corpus: a fixture)
 from test_translate_cli import translate
 from test_translate_features import LINES, trained  # noqa: F401 (a fixture)
 
 from transformer.config import ConfigError, SearchConfig
+from transformer.data.prepare import prepare
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import Ensemble, Shortlist, beam_search
 from transformer.inference import vocabulary_map
@@ -27,6 +32,7 @@ from transformer.kernels import Products
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vocabulary_map.py"
 
 
 def test_the_map_holds_the_most_frequent_pieces_and_each_source_pieces_likeliest_partners():
@@ -76,6 +82,44 @@ def test_a_map_file_reads_as_written_in_ctranslate2s_format(tmp_path, tokenizer)
     bad.write_text(f"\t{pieces[der]}\n{pieces[dog]} {pieces[hund]}\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"bad.txt, line 2: no tab"):
         VocabularyMap.read(bad)
+    bad.write_bytes(f"\t{pieces[der]}\n".encode() + b"\xff\tabc\n")
+    with pytest.raises(ConfigError, match=r"bad.txt, line 2: not UTF-8 text"):
+        VocabularyMap.read(bad)
+    bad.write_text("\tno_such_piece\nnor_this\tnor_that\n", encoding="utf-8")  # another model's pieces
+    with pytest.raises(ConfigError, match=r"none of the vocabulary map's 2 target pieces is in this model's"):
+        VocabularyMap.load(bad, tokenizer)
+
+
+def test_the_script_maps_each_english_word_to_its_german_words_pieces(corpus, tmp_path):  # noqa: F811
+    """scripts/vocabulary_map.py on a prepared corpus of English words and their German ones (reversed):
+    the candidates of each English word hold its German word's pieces and few others; the file reads back
+    with the corpus's tokenizer. A directory that is no prepared corpus is a one-line error."""
+    data = prepare(compose_config(overrides(corpus, tmp_path)).data)
+    output = tmp_path / "vmap.txt"
+    command = [
+        sys.executable,
+        SCRIPT,
+        str(data),
+        "--output",
+        str(output),
+        "--always",
+        "5",
+        "--per-source",
+        "4",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "from 300 pairs" in done.stdout
+    tokenizer = Tokenizer.from_file(data / "spm.model")
+    read = VocabularyMap.load(output, tokenizer)
+    for english, german in WORDS.items():
+        candidates = set(read.candidates([tokenizer.encode(english)]).tolist())
+        assert set(tokenizer.encode(german)) <= candidates, english
+        assert len(candidates) < tokenizer.vocab_size / 2
+    command[2] = str(tmp_path)
+    refused = subprocess.run(command, capture_output=True, text=True)
+    assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "is not a prepared corpus (no spm.model)" in refused.stderr
 
 
 @torch.no_grad()
@@ -139,10 +183,13 @@ def test_a_shortlist_of_every_piece_decodes_as_the_whole_vocabulary():
         torch.testing.assert_close(every.scores, whole.scores, rtol=1e-6, atol=1e-6)
 
 
-def test_a_shortlist_without_the_specials_for_other_models_or_without_a_forced_piece_is_refused():
+def test_a_shortlist_of_other_ids_for_other_models_or_without_a_forced_piece_is_refused():
     model = tiny_model(vocab=12, seed=0)
     with pytest.raises(ValueError, match="every special symbol"):
         Shortlist.of(model, torch.tensor([0, 2, 3, 5]))
+    for ids in ([0, 1, 2, 3, 5, 5], [0, 1, 2, 3, 7, 5], [0, 1, 2, 3, 12]):  # twice, not ascending, no piece
+        with pytest.raises(ValueError, match="ascend, each once, below the vocabulary's 12"):
+            Shortlist.of(model, torch.tensor(ids))
     shortlist, src = Shortlist.of(model, torch.tensor([0, 1, 2, 3, 5])), sources([3], 12)
     with pytest.raises(ValueError, match="made for 1 models, used with 2"):
         beam_search(Ensemble([model, model], [0.5, 0.5]), src, shortlist=shortlist)
@@ -223,13 +270,18 @@ def test_a_prefix_a_constraint_and_samples_keep_to_the_map_and_what_they_force(t
     path, allowed = mapped
     api = Translator.from_checkpoint(str(trained), device="cpu", vocabulary_map=str(path))
 
-    def pieces(text: str) -> set[int]:
-        return set(api.tokenizer.encode(text))
+    def output(**guide) -> tuple[str, set[str]]:
+        """The best output's text, and the pieces the search gave (not the text encoded again)."""
+        best = api.translate_nbest(LINES[0], **guide)[0]
+        return best.text, set(best.pieces) - {"</s>"}
 
-    prefixed = api.translate(LINES[0], target_prefix="Morgen")
-    assert prefixed.startswith("Morgen") and pieces(prefixed) <= set(allowed) | pieces("Morgen")
-    constrained = api.translate(LINES[0], constraints=["Maus"])
-    assert "Maus" in constrained and pieces(constrained) <= set(allowed) | pieces("Maus")
+    def pieces(text: str) -> set[str]:
+        return set(api.tokenizer.pieces(allowed + api.tokenizer.encode(text)))
+
+    prefixed, given = output(target_prefix="Morgen")
+    assert prefixed.startswith("Morgen") and given <= pieces("Morgen")
+    constrained, given = output(constraints=["Maus"])
+    assert "Maus" in constrained and given <= pieces("Maus")
     search = SearchConfig(sampling=True, nbest=3, topk=0, seed=1)
     for hypothesis in api.translate_nbest(LINES[0], search=search):
         assert set(hypothesis.pieces) - {"</s>"} <= set(api.tokenizer.pieces(allowed))

@@ -73,9 +73,11 @@ class Shortlist:
 
     @classmethod
     def of(cls, model: Transformer | Ensemble, ids: Tensor) -> Shortlist:
-        specials = torch.arange(EOS_ID + 1)
+        specials, vocab = torch.arange(EOS_ID + 1), members(model)[0].embed.weight.size(0)
         if ids.numel() <= EOS_ID or not torch.equal(ids[: EOS_ID + 1].cpu(), specials):
             raise ValueError(f"a shortlist starts with every special symbol, ids {specials.tolist()}")
+        if not bool((ids[1:] > ids[:-1]).all()) or int(ids[-1]) >= vocab:
+            raise ValueError(f"a shortlist's ids ascend, each once, below the vocabulary's {vocab}")
         weights = [m.embed.weight.index_select(0, ids.to(m.embed.weight.device)) for m in members(model)]
         return cls(ids.to(weights[0].device), weights)
 

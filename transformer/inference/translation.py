@@ -230,7 +230,8 @@ class Translator:
         static = cfg.cuda_graphs and constraints is None
         shortlist, packed = None, ExitStack()
         if self.vocabulary_map is not None:  # the batch's candidates, the forced pieces among them
-            forced = [t for g in guides or [] for t in g.prefix + [t for p in g.phrases for t in p]]
+            forced = [t for g in guides or [] for t in g.prefix]
+            forced += [t for g in guides or [] for phrase in g.phrases for t in phrase]
             shortlist = Shortlist.of(model, self.vocabulary_map.candidates(src.tolist(), forced))
             packed.enter_context(self.kernels.products.prepacked(shortlist.chunks(), cfg.precision == "int8"))
         with packed:

@@ -41,11 +41,15 @@ class VocabularyMap:
         holds the pieces always allowed; blank lines are skipped, and an n-gram's lines add up (where
         CTranslate2 keeps the last). A line without a tab is refused, naming it."""
         entries = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ConfigError(f"vocabulary_map={path}, line {number}: not UTF-8 text") from None
                 if not line.strip():
                     continue
-                source, tab, targets = line.rstrip("\n").partition("\t")
+                source, tab, targets = line.rstrip("\r\n").partition("\t")
                 if not tab:
                     raise ConfigError(f"vocabulary_map={path}, line {number}: no tab after the source n-gram")
                 entries.append((source.split(), targets.split()))
@@ -54,20 +58,29 @@ class VocabularyMap:
     @classmethod
     def of(cls, entries: list[tuple[list[str], list[str]]], tokenizer: Tokenizer) -> VocabularyMap:
         """A map of `read`'s entries with this tokenizer's ids; pieces it does not know are left out
-        (an n-gram holding one never occurs), with one warning that counts them."""
+        (an n-gram holding one never occurs), with one warning that counts them. A map that names target
+        pieces but none the tokenizer knows (another model's) is refused."""
         always: list[int] = []
         rules: dict[tuple[int, ...], list[int]] = {}
-        unknown = 0
+        unknown = total = named = known = 0
         for source, targets in entries:
             ids = [tokenizer.piece_id(p) for p in source + targets]
-            unknown += ids.count(UNK_ID)
             key, allowed = tuple(ids[: len(source)]), [i for i in ids[len(source) :] if i != UNK_ID]
+            unknown, total = unknown + ids.count(UNK_ID), total + len(ids)
+            named, known = named + len(targets), known + len(allowed)
             if not key:
                 always += allowed
             elif UNK_ID not in key:
                 rules.setdefault(key, []).extend(allowed)
+        if named and not known:
+            raise ConfigError(
+                f"none of the vocabulary map's {named} target pieces is in this model's vocabulary: "
+                f"is it another model's?"
+            )
         if unknown:
-            log.warning("vocabulary map: %d pieces this model's vocabulary lacks, left out", unknown)
+            log.warning(
+                "vocabulary map: %d of its %d pieces this model's vocabulary lacks, left out", unknown, total
+            )
         return cls(always, rules)
 
     @classmethod
