@@ -157,7 +157,7 @@ def test_two_concurrent_requests_share_one_batch(server):
         (json.dumps({"text": ["a"], "alpha": 50}).encode(), 400, "alpha=50.0 must be in [0, 10.0]"),
         (json.dumps({"text": ["a"], "alpha": 1e308}).encode(), 400, "alpha=1e+308 must be in [0, 10.0]"),
         (b'{"text": ["a"], "alpha": Infinity}', 400, "alpha=inf must be a finite number"),
-        (json.dumps({"text": ["a"], "max_len_b": 10**6}).encode(), 400, "leaves no room for a source"),
+        (json.dumps({"text": ["a"], "max_len_b": 10**6}).encode(), 400, "leave no room for a source"),
         (json.dumps({"text": ["a"], "beam": 4}).encode(), 400, "unknown field(s) beam"),
         (json.dumps({"text": ["a"], "nbest": 9}).encode(), 400, "nbest=9 must be at most beam_size=4"),
         (json.dumps({"text": ["a"] * 9}).encode(), 413, "9 lines; a request takes at most 8"),

@@ -277,17 +277,21 @@ def test_bad_settings_are_named(tiny_checkpoint, settings, message):
 
 def test_settings_that_leave_no_room_and_a_text_hydra_read_as_a_number(tiny_checkpoint):
     for max_len_a in (1.0, 0.0):  # the tiny model has 128 positions
-        with pytest.raises(ConfigError, match="max_len_b=200 leaves no room"):
+        with pytest.raises(ConfigError, match="max_len_b=200 leave no room"):
             Translator.from_checkpoint(
                 TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_a=max_len_a, max_len_b=200)
             )
+    with pytest.raises(ConfigError, match=r"max_len_a=1000.0 and max_len_b=1 leave no room"):
+        Translator.from_checkpoint(
+            TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_a=1000.0, max_len_b=1)
+        )
     assert TranslateConfig(checkpoint=str(tiny_checkpoint), text=123).text == "123"
     for max_len_b in (10, 200):  # a tiny max_len_a: room beyond any float, or none below 0
         tiny = TranslateConfig(checkpoint=str(tiny_checkpoint), max_len_a=2.2e-309, max_len_b=max_len_b)
         if max_len_b < 128:
             assert Translator.from_checkpoint(tiny).max_source_tokens(tiny.search) == 128
         else:
-            with pytest.raises(ConfigError, match="max_len_b=200 leaves no room"):
+            with pytest.raises(ConfigError, match="max_len_b=200 leave no room"):
                 Translator.from_checkpoint(tiny)
 
 

@@ -108,8 +108,8 @@ class Translator:
             room = int(max(0.0, min((positions - search.max_len_b) / search.max_len_a, positions)))
         if min(positions, room) < 2:
             raise ConfigError(
-                f"max_len_b={search.max_len_b} leaves no room for a source in this model's "
-                f"{positions} positions; lower max_len_b or max_len_a"
+                f"max_len_a={search.max_len_a} and max_len_b={search.max_len_b} leave no room for a source "
+                f"in this model's {positions} positions; lower them"
             )
         return min(positions, room)
 
