@@ -111,8 +111,8 @@ def test_averaging_takes_the_averages_and_leaves_no_trained_weights(runs):
 
 
 def test_the_script_averages_the_trained_weights_as_those_of_a_run_without_the_average(runs):
-    """--trained gives what averaging the same run without trainer.ema_decay gives, bitwise, beside the
-    average of the averages; a run without trained weights apart is refused in one line."""
+    """--trained gives what averaging the same run without trainer.ema_decay gives, bitwise, under a name
+    of its own; a run without trained weights apart is refused in one line."""
     averaged, plain = runs
     done = subprocess.run(
         [sys.executable, AVERAGE, "--run-dir", averaged, "--last", "3", "--trained"],
@@ -133,7 +133,7 @@ def test_the_script_averages_the_trained_weights_as_those_of_a_run_without_the_a
         text=True,
     )
     assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-    assert f"checkpoint_{STEPS}.pt holds no trained weights beside an average" in refused.stderr
+    assert f"checkpoint_{STEPS}.pt holds no trained weights apart from its model" in refused.stderr
 
 
 def test_a_decay_of_one_is_refused(corpus, tmp_path):  # noqa: F811

@@ -366,7 +366,10 @@ def average_checkpoints(paths: Sequence[str | Path], trained: bool = False) -> d
     for path in paths:
         ckpt = load_checkpoint(path)
         if weights not in ckpt:
-            raise CheckpointError(f"{path} holds no trained weights beside an average: its model is them")
+            raise CheckpointError(
+                f"{path} holds no trained weights apart from its model (trained without trainer.ema_decay, "
+                "or an average already): drop --trained"
+            )
         if last and ckpt["model_config"] != last["model_config"]:
             raise CheckpointError(f"{path} has another model configuration than {paths[0]}; cannot average")
         if last and ckpt[weights].keys() != last[weights].keys():
