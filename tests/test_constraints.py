@@ -15,7 +15,7 @@ from test_translate_features import LINES, trained  # noqa: F401 (a fixture)
 
 from transformer.config import ConfigError, SearchConfig, TranslateConfig
 from transformer.decoding import Ensemble, beam_search
-from transformer.inference.translation import Translator
+from transformer.inference.translation import Translator, padded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,6 +54,34 @@ def test_at_beam_4_every_hypothesis_contains_its_phrases():
             assert hypotheses and all(all(contains(h.tokens, p) for p in wanted) for h in hypotheses)
             if not wanted:
                 assert [h.tokens for h in hypotheses] == [h.tokens for h in free]
+
+
+def test_a_prefix_and_phrases_together_give_the_best_outputs_that_start_with_it_and_hold_them():
+    """With a target prefix and constraints at once, a beam wide enough never to prune finds the best
+    outputs that start with the prefix and contain every phrase (the exhaustive ranking); at beam 1
+    and 4 every hypothesis does: a phrase's first piece never takes a prefix's place."""
+    vocab, max_len, n, alpha = 6, 2, 3, 0.6
+    model = tiny_model(vocab=vocab, seed=7)
+    src = sources([2, 5, 3], vocab, seed=4)
+    prefixes, phrases = [[4], [5], []], [[[5]], [[1, 4]], [[4]]]  # (3 is EOS)
+    wide = SearchConfig(beam_size=4 * 3**4, alpha=alpha, max_len_a=0.0, max_len_b=max_len, nbest=n)
+    result = beam_search(model, src, wide, prefix=padded(prefixes), constraints=phrases)
+    for row, (start, wanted) in enumerate(zip(prefixes, phrases)):
+        ranked = ranked_outputs([model], [1.0], src[row], max_len + sum(map(len, wanted)), alpha)
+        expected = [
+            (s, t) for s, t in ranked if t[: len(start)] == start and all(contains(t, p) for p in wanted)
+        ]
+        got = result.hypotheses[row]
+        assert [h.tokens for h in got] == [tokens for _, tokens in expected[:n]]
+        assert [h.score for h in got] == pytest.approx([score for score, _ in expected[:n]], abs=1e-5)
+    model, src = tiny_model(seed=3), sources([4, 8, 2], 24, seed=2)
+    prefixes, phrases = [[9, 10], [5], [7, 7, 7]], [[[7, 9]], [[5], [11, 12]], [[20]]]
+    for cfg in (SearchConfig(beam_size=4, nbest=4, max_len_b=8), SearchConfig(beam_size=1, max_len_b=8)):
+        result = beam_search(model, src, cfg, prefix=padded(prefixes), constraints=phrases)
+        for start, wanted, hypotheses in zip(prefixes, phrases, result.hypotheses):
+            assert hypotheses
+            for h in hypotheses:
+                assert h.tokens[: len(start)] == start and all(contains(h.tokens, p) for p in wanted)
 
 
 def test_constraints_refuse_the_static_search_and_sampling():

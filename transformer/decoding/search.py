@@ -405,8 +405,10 @@ class BeamSearch:
         extra = offered(cons, beams.met, beams.inside, k)  # (R, M)
         repeated = (extra[:, :, None] == tokens[:, None, :]).any(dim=2) | (extra == PAD_ID)
         tokens = torch.cat([tokens, extra], dim=1)  # (R, m)
-        # a phrase's pieces are the user's: their own log-probabilities (no repetition control bans them)
-        scores = torch.cat([best, own.gather(1, extra).masked_fill(repeated, NEG_INF)], dim=1)  # (R, m)
+        # a phrase's pieces are the user's: their own log-probabilities (no repetition control bans them),
+        # but none takes the place of a prefix's piece
+        offer = force_prefix(own, own, beams.prefix, step, k).gather(1, extra)  # (R, M)
+        scores = torch.cat([best, offer.masked_fill(repeated, NEG_INF)], dim=1)  # (R, m)
         return (scores, tokens, own.gather(1, tokens)), advanced(cons, beams.met, beams.inside, tokens, k)
 
     def _sample(self, states: list[Tensor], step: Tensor, penalty: Tensor) -> tuple[Tensor, Tensor]:
