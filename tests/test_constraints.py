@@ -92,7 +92,7 @@ def test_constraints_refuse_the_static_search_and_sampling():
         beam_search(model, src, SearchConfig(sampling=True), constraints=[[[5]]])
 
 
-def test_translate_py_the_api_and_the_server_keep_every_phrase(trained, tmp_path):  # noqa: F811
+def test_translate_py_and_the_api_keep_every_phrase(trained, tmp_path):  # noqa: F811
     lines = [LINES[0], LINES[2], LINES[3]]
     phrases = [["Katze", "Hund"], [], ["roten Ball", "Mutter"]]
     (tmp_path / "terms.de").write_text("".join("\t".join(p) + "\n" for p in phrases))
@@ -114,6 +114,9 @@ def test_translate_py_the_api_and_the_server_keep_every_phrase(trained, tmp_path
     assert inline_texts == [[h["text"] for h in e["hypotheses"]] for e in entries]
     assert translator.translate(lines, constraints=phrases) == [e["hypotheses"][0]["text"] for e in entries]
     assert all(p in translator.translate(lines[2], constraints=phrases[2]) for p in phrases[2])  # one line
+    one_each = translator.translate(lines[:2], constraints=["Katze", "Hund"])  # a string: one phrase
+    assert one_each == translator.translate(lines[:2], constraints=[["Katze"], ["Hund"]])
+    assert "Katze" in one_each[0] and "Hund" in one_each[1]
     with pytest.raises(
         ConfigError, match=r"line 1: its target prefix and constraints take \d+ pieces; an output"
     ):

@@ -310,7 +310,7 @@ class Translator:
         one line given as a string, its hypotheses). first: the number of the first line in the whole
         input, or each line's number (sampling draws by line number); target_prefix: per line (or for
         the one line) the text every hypothesis starts with, "" for none; constraints: per line (or for
-        the one line) the phrases every hypothesis contains."""
+        the one line) the phrases every hypothesis contains, a string for one phrase."""
         one, lines = _lines(lines)
         constraints = _per_line(one, constraints)
         guides = self.guides(lines, target_prefix, constraints, search)
@@ -504,10 +504,13 @@ def part_guides(guides: list[Guide], sources: list[list[list[int]]]) -> list[Gui
 
 
 def _per_line(one: bool, constraints: list[list[str]] | list[str] | None) -> list[list[str]] | None:
-    """Constraints per line: for one line given as a string, its phrases may come as one list."""
-    if one and constraints is not None and all(isinstance(c, str) for c in constraints):
-        return [constraints]
-    return constraints
+    """Constraints per line, as the server reads them: for one line given as a string, its phrases may
+    come as one list; a line's phrases given as a string are that one phrase."""
+    if constraints is None:
+        return None
+    if one and all(isinstance(c, str) for c in constraints):
+        return [list(constraints)]
+    return [[c] if isinstance(c, str) else c for c in constraints]
 
 
 def padded(rows: list[list[int]]) -> torch.Tensor:
