@@ -5,6 +5,7 @@ match; once the new run has saved, resuming goes on with it."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,15 @@ def test_a_fine_tuned_run_starts_from_the_weights_and_tokenizer_alone_and_resume
         train(more)
     assert load_checkpoint(checkpoint_dir(run_dir) / "checkpoint_last.pt")["step"] == 5
     assert "started this run; it goes on from" in caplog.text and "checkpoint_3.pt" in caplog.text
+    # its data prepared again (removed, here), with the checkpoint's tokenizer, not one learned anew
+    shutil.rmtree(prepared)
+    train(
+        compose_config(
+            [*overrides(shifted, run_dir, "trainer.max_steps=6"), f"trainer.finetune_from={source}"]
+        )
+    )
+    assert (prepared / "spm.model").read_bytes() == start["spm_model"]
+    assert load_checkpoint(checkpoint_dir(run_dir) / "checkpoint_last.pt")["step"] == 6
 
 
 def test_another_model_is_refused_in_one_line_before_the_data_is_prepared(source, shifted, tmp_path):

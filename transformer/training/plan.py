@@ -92,11 +92,19 @@ class Plan:
             unlock(self.run_dir)
             self.locked = False
 
+    def given_tokenizer(self) -> bytes | None:
+        """The BPE a fine-tuning run encodes its corpus with: its checkpoint's, also once it goes on from
+        its own checkpoints (which carry it), should the data be prepared again; None: learned on it."""
+        if self.finetune is not None:
+            return self.finetune.ckpt["spm_model"]
+        started = self.resume and self.resume.ckpt.get("config", {}).get("trainer", {}).get("finetune_from")
+        return self.resume.ckpt["spm_model"] if started else None
+
     def with_data(self) -> Plan:
         """The corpus (prepared by rank 0 while the others wait) and what it decides."""
         cfg, runtime = self.cfg, self.runtime
-        if runtime.is_main:  # a quick check when it is ready; fine-tuning encodes with its checkpoint's BPE
-            prepare(cfg.data, tokenizer=self.finetune.ckpt["spm_model"] if self.finetune else None)
+        if runtime.is_main:  # a quick check when it is ready
+            prepare(cfg.data, tokenizer=self.given_tokenizer())
         wait_for_main(runtime)
         corpus = read_corpus(cfg, runtime.rank, runtime.world_size)
         vocab = corpus.meta["vocab_size"]
