@@ -109,6 +109,12 @@ def test_translate_py_splits_by_default_one_output_line_per_input_line(trained, 
     entries = [json.loads(line) for line in jsonl.stdout.decode().splitlines()]
     assert entries[1]["hypotheses"][0]["text"] == expected
     assert entries[1]["hypotheses"][0]["pieces"].count("</s>") == 6
+    # fairseq's lines: H- holds the pieces A- counts (no part's </s>), P- every part's EOS too
+    fairseq = translate(*settings, "output_format=fairseq", "alignment=true", stdin=stdin)
+    rows = dict(line.split("\t", 1) for line in fairseq.stdout.decode().splitlines() if line[2:4] == "1\t")
+    pieces = rows["H-1"].split("\t")[1].split()
+    assert "</s>" not in pieces and len(pieces) + 6 == len(rows["P-1"].split())
+    assert max(int(link.split("-")[1]) for link in rows["A-1"].split()) == len(pieces) - 1
 
 
 def test_a_bad_long_inputs_value_is_one_line_before_loading():

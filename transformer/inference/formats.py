@@ -48,7 +48,7 @@ def format_line(kind: str, number: int, source: str, hypotheses: list[Translatio
     lines = [f"S-{number}\t{' '.join(source.splitlines())}"]  # one line, whatever breaks it held
     for h in hypotheses:
         score = h.score / math.log(2)
-        pieces = h.pieces[:-1] if h.pieces[-1:] == ["</s>"] else h.pieces  # EOS shows in P- only
+        pieces = [p for p in h.pieces if p != "</s>"]  # EOS (each part's) shows in P- only, as A- counts
         lines.append(f"H-{number}\t{score}\t{' '.join(pieces)}")
         lines.append(f"D-{number}\t{score}\t{h.text}")
         lines.append(f"P-{number}\t{' '.join(f'{p / math.log(2):.4f}' for p in h.token_log_probs)}")
