@@ -80,7 +80,8 @@ def results(
         found = [[t] if t is not None else [] for t in translator.score(lines, references)]
     else:
         progress = cfg.input is not None
-        found = translator.translate_nbest(lines, progress, first, None, prefixes, constraints)
+        # a line whose prefix and phrases do not fit is warned about, not a stop: one output line per line
+        found = translator.translate_nbest(lines, progress, first, None, prefixes, constraints, strict=False)
     return "".join(
         format_line(cfg.output_format, first + i, line, h) for i, (line, h) in enumerate(zip(lines, found))
     )

@@ -117,6 +117,29 @@ def test_translate_py_splits_by_default_one_output_line_per_input_line(trained, 
     assert max(int(link.split("-")[1]) for link in rows["A-1"].split()) == len(pieces) - 1
 
 
+def test_with_constraints_only_the_lines_with_phrases_stay_whole(trained, tmp_path):  # noqa: F811
+    """translate.py constraints=FILE: a long line without phrases is split as ever, one with phrases cut
+    to fit (its phrases are the whole line's); a line whose phrases alone exceed the model's positions
+    is translated without them, with a warning naming it: one output line per input line, no stop."""
+    long_line = " ".join(SENTENCES * 2)
+    lines = [long_line, long_line, SENTENCES[0], SENTENCES[1]]
+    phrases = ["", "Katze", "Katze " * 600, "Hund"]
+    (tmp_path / "terms.de").write_text("".join(p + "\n" for p in phrases), encoding="utf-8")
+    settings = [f"checkpoint={trained}", "max_len_a=10", "max_len_b=50", "output_format=jsonl"]
+    done = translate(*settings, f"constraints={tmp_path / 'terms.de'}", stdin="\n".join(lines).encode())
+    assert done.returncode == 0, done.stderr.decode()
+    entries = [json.loads(line)["hypotheses"][0] for line in done.stdout.decode().splitlines()]
+    assert len(entries) == 4
+    assert entries[0]["pieces"].count("</s>") == 6 and entries[1]["pieces"].count("</s>") == 1
+    assert "Katze" in entries[1]["text"] and "Hund" in entries[3]["text"]
+    api = Translator.from_checkpoint(trained, device="cpu", **SHORT_ROOM)
+    assert entries[2]["text"] == api.translate(SENTENCES[0])  # as without the phrase
+    warnings = done.stderr.decode()
+    assert "line 1: " in warnings and "parts" in warnings  # split
+    assert "line 2: " in warnings and "translating the first 96 pieces" in warnings  # cut
+    assert "line 3: its target prefix and constraints take" in warnings and "without them" in warnings
+
+
 def test_a_bad_long_inputs_value_is_one_line_before_loading():
     with pytest.raises(ConfigError, match="long_inputs='cut' must be one of 'split' or 'truncate'"):
         TranslateConfig(checkpoint="x.pt", long_inputs="cut")

@@ -147,10 +147,13 @@ class Translator:
         vocabulary_map = None if entries is None else VocabularyMap.of(entries, loaded[0][1])
         return cls(models, loaded[0][1], cfg, info, kernels, vocabulary_map)
 
-    def encode(self, lines: list[str], search: SearchConfig | None = None) -> list[list[list[int]]]:
+    def encode(
+        self, lines: list[str], search: SearchConfig | None = None, whole: list[bool] | None = None
+    ) -> list[list[list[int]]]:
         """Per line its sources (pieces + [EOS]), none for an empty line: one, or for a line longer than
         the search's output limit leaves room for, its parts (`long_inputs=split`) or its first pieces
-        (`truncate`), with a warning naming the line."""
+        (`truncate`, and for the lines `whole` marks: those with constraints, whose phrases are the whole
+        line's), with a warning naming the line."""
         search = search or self.cfg.search
         sources, split, cut, room = [], [], [], self.max_source_tokens(search) - 1
         for number, line in enumerate(lines, start=1):
@@ -158,7 +161,7 @@ class Translator:
             parts = [ids] if ids else []
             if len(ids) > room:
                 problem = f"{len(ids)} pieces exceed the {room} this model can take"
-                if search.long_inputs == "split":
+                if search.long_inputs == "split" and not (whole and whole[number - 1]):
                     parts = self._parts(line, room)
                     split.append((number, f"{problem}: {len(parts)} parts"))
                 else:
@@ -305,19 +308,19 @@ class Translator:
         search: SearchConfig | None = None,
         target_prefix: list[str] | str | None = None,
         constraints: list[list[str]] | list[str] | None = None,
+        strict: bool = True,
     ) -> list[list[Translation]] | list[Translation]:
         """Per input line its `nbest` hypotheses (or samples), best first; none for an empty line (for
         one line given as a string, its hypotheses). first: the number of the first line in the whole
         input, or each line's number (sampling draws by line number); target_prefix: per line (or for
         the one line) the text every hypothesis starts with, "" for none; constraints: per line (or for
-        the one line) the phrases every hypothesis contains, a string for one phrase."""
+        the one line) the phrases every hypothesis contains, a string for one phrase; strict: as
+        `guides` takes it."""
         one, lines = _lines(lines)
         constraints = _per_line(one, constraints)
-        guides = self.guides(lines, target_prefix, constraints, search)
+        guides = self.guides(lines, target_prefix, constraints, search, strict)
         search = search or self.cfg.search
-        if constraints is not None:  # a phrase is the whole line's: a line too long is not split
-            search = dataclasses.replace(search, long_inputs="truncate")
-        nbest = self.nbest_of(self.encode(lines, search), progress, first, search, guides)
+        nbest = self.nbest_of(self.encode(lines, search, kept_whole(guides)), progress, first, search, guides)
         return nbest[0] if one else nbest
 
     def guides(
@@ -326,10 +329,12 @@ class Translator:
         target_prefix: list[str] | str | None = None,
         constraints: list[list[str]] | None = None,
         search: SearchConfig | None = None,
+        strict: bool = True,
     ) -> list[Guide] | None:
         """Each line's `Guide`: the pieces of its target prefix ("": none) and of its phrases; None
-        without either. Counts other than the lines', phrases with sampling (of `search`, default the
-        settings'), and phrases that leave no room in the model's positions are refused."""
+        without either. Counts other than the lines' and phrases with sampling (of `search`, default the
+        settings') are refused; so is a line whose prefix and phrases leave no room in the model's
+        positions, or, not `strict`, translated without them, with a warning naming it."""
         if target_prefix is None and constraints is None:
             return None
         prefixes = [target_prefix] if isinstance(target_prefix, str) else target_prefix or [""] * len(lines)
@@ -344,13 +349,19 @@ class Translator:
             Guide(encode(p) if p.strip() else [], [encode(c) for c in cs if c.strip()])
             for p, cs in zip(prefixes, phrases)
         ]
+        too_long = []
         for number, guide in enumerate(guides, start=1):
             pieces = len(guide.prefix) + sum(map(len, guide.phrases))
             if pieces >= self.max_positions:
-                raise ConfigError(
-                    f"line {number}: its target prefix and constraints take {pieces} pieces; an output of "
-                    f"this model holds at most {self.max_positions - 1}"
+                problem = (
+                    f"its target prefix and constraints take {pieces} pieces; an output of this model "
+                    f"holds at most {self.max_positions - 1}"
                 )
+                if strict:
+                    raise ConfigError(f"line {number}: {problem}")
+                too_long.append((number, problem))
+                guides[number - 1] = Guide([], [])
+        warn_lines(too_long, "translating it without them")
         return guides
 
     def nbest_of(
@@ -496,6 +507,12 @@ def _lines(lines: list[str] | str) -> tuple[bool, list[str]]:
     if not isinstance(lines, (list, tuple)) or not all(isinstance(line, str) for line in lines):
         raise TypeError(f"lines must be a list of strings (or one string), not {type(lines).__name__}")
     return False, list(lines)
+
+
+def kept_whole(guides: list[Guide] | None) -> list[bool] | None:
+    """The lines `encode` keeps whole, cut to fit rather than split: those with phrases, which are the
+    whole line's."""
+    return None if guides is None else [bool(g.phrases) for g in guides]
 
 
 def part_guides(guides: list[Guide], sources: list[list[list[int]]]) -> list[Guide]:

@@ -21,7 +21,6 @@ what the drain's end cuts off, and a second signal, stop it at once with exit st
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -49,7 +48,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from transformer.config import ConfigError, ServeConfig
 from transformer.inference.formats import translation_dict
-from transformer.inference.translation import Guide, Translator, part_guides
+from transformer.inference.translation import Guide, Translator, kept_whole, part_guides
 from transformer.inference.visualize import attention_weights
 from transformer.serving.api import BadRequest, openapi, parse_request, request_cost
 from transformer.serving.batching import Batcher, Job, QueueFull
@@ -182,16 +181,11 @@ class Service:
             guides = translator.guides(parsed.lines, parsed.target_prefix, parsed.constraints, parsed.search)
         except ConfigError as error:
             raise BadRequest(str(error)) from None
-        # a phrase is the whole line's: a line with constraints too long is not split
-        whole = (
-            dataclasses.replace(parsed.search, long_inputs="truncate")
-            if parsed.constraints
-            else parsed.search
-        )
+        args = (parsed.lines, parsed.search, kept_whole(guides))
         if sum(map(len, parsed.lines)) <= INLINE_CHARS:  # as quick as a hop to a thread
-            sources = translator.encode(parsed.lines, whole)
+            sources = translator.encode(*args)
         else:
-            sources = await run_in_threadpool(translator.encode, parsed.lines, whole)
+            sources = await run_in_threadpool(translator.encode, *args)
         each = part_guides(guides or [Guide([], [])] * len(sources), sources)
         grown = [(len(g.prefix), sum(map(len, g.phrases))) for g in each]
         flat = [part for parts in sources for part in parts]
