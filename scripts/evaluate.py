@@ -6,17 +6,20 @@ sacreBLEU's chrF and chrF++.
   python scripts/evaluate.py checkpoint=... data=multi30k data.source=local data.path=../shared/data/multi30k
   python scripts/evaluate.py checkpoint=runs/demo/checkpoints/checkpoint_average_last5.pt
   python scripts/evaluate.py checkpoint=[a.pt,b.pt] weights=[0.5,0.5]     # an ensemble
+  python scripts/evaluate.py checkpoint=... constraints=terms.tsv alignment=true
 
 Without `data=`, the corpus is the one the checkpoint was trained on (data.KEY=VALUE settings apply
 over it).
 
 Writes <checkpoint>.<data>.<split>.<search>.bleu.json and .hyp.<lang> beside the checkpoint (search:
 beam4.alpha0.6 by default, greedy for beam_size=1, then .len<a>x+<b> for other max_len_a/max_len_b and
-.bf16 or .int8 for those precisions), so
-scores of other decoding settings sit side by side.
+.bf16 or .int8 for those precisions, and the files of target prefixes, constraints or a vocabulary map
+named), so scores of other decoding settings sit side by side; with alignment=true, .align too (each
+translation's word alignment, "source-target" pairs from 0).
 """
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -52,6 +55,9 @@ def main(cfg: DictConfig) -> None:
     log_to_stderr()
     try:
         settings = OmegaConf.to_container(cfg, resolve=True)
+        for key in ("target_prefix", "constraints"):  # before the checkpoints load
+            if (name := settings.get(key)) is not None and not Path(name).is_file():
+                raise ConfigError(f"{key}={name} is not a file")
         translator = Translator.from_checkpoint(from_dict(EvaluateConfig, settings))
         settings["data"] = corpus(cfg, (translator.info.get("config") or {}).get("data"))
         result = evaluate_checkpoint(from_dict(EvaluateConfig, settings), translator)

@@ -29,6 +29,7 @@ from transformer.inference.evaluation import (
     split_compounds,
     tokenized_bleu,
 )
+from transformer.inference.translation import Translator
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
@@ -220,6 +221,49 @@ def test_evaluate_script_end_to_end(tiny_checkpoint, tmp_path):
     said = [line for line in missing.stderr.splitlines() if not line.startswith("INFO: CPU kernels")]
     assert missing.returncode == 2 and len(said) == 1
     assert said[0].startswith("error: ") and "nowhere" in said[0]
+
+
+def test_evaluate_takes_prefixes_and_constraints_and_writes_alignments(tiny_checkpoint, tmp_path):
+    """evaluate.py target_prefix=FILE constraints=FILE alignment=true: the hypotheses are those the API
+    gives with the same prefixes and phrases, the .align file holds its word alignments, the result is
+    named by both files; files of another line count, or missing, are one-line errors."""
+    checkpoint = Path(shutil.copy(tiny_checkpoint, tmp_path / "checkpoint_last.pt"))
+    src = ["The cat sees the house.", "A dog likes a red ball.", "My friend finds the old tree."]
+    corpus = write_corpus(tmp_path / "m30k", src, ["Die Katze sieht das Haus.", "Ein Hund.", "Ja."])
+    prefixes, phrases = ["Die Katze", "", "Mein"], [["Haus"], [], ["das Haus", "mag"]]
+    (tmp_path / "prefix.de").write_text("".join(p + "\n" for p in prefixes), encoding="utf-8")
+    (tmp_path / "terms.de").write_text("".join("\t".join(p) + "\n" for p in phrases), encoding="utf-8")
+    settings = ["data=multi30k", "data.source=local", f"data.path={corpus}", "beam_size=2", "max_len_b=10"]
+    guided = [
+        f"target_prefix={tmp_path / 'prefix.de'}",
+        f"constraints={tmp_path / 'terms.de'}",
+        "alignment=true",
+    ]
+    script = [sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"checkpoint={checkpoint}", *settings]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*script, *guided], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    digests = [hashlib.sha1((tmp_path / f).read_bytes()).hexdigest()[:8] for f in ("prefix.de", "terms.de")]
+    stem = f"checkpoint_last.pt.multi30k.test.beam2.alpha0.6.len1x+10.prefix-prefix-{digests[0]}"
+    stem = tmp_path / f"{stem}.constraints-terms-{digests[1]}"
+    api = Translator.from_checkpoint(str(checkpoint), device="cpu", beam_size=2, max_len_b=10, alignment=True)
+    expected = [h[0] for h in api.translate_nbest(src, target_prefix=prefixes, constraints=phrases)]
+    hypotheses = Path(f"{stem}.hyp.de").read_text(encoding="utf-8").splitlines()
+    assert hypotheses == [h.text for h in expected]
+    assert hypotheses[0].startswith("Die Katze") and "Haus" in hypotheses[0] and "mag" in hypotheses[2]
+    assert Path(f"{stem}.align").read_text().splitlines() == [
+        " ".join(f"{i}-{j}" for i, j in h.alignment.words) for h in expected
+    ]
+    assert json.loads(Path(f"{stem}.bleu.json").read_text())["alignments"] == f"{stem}.align"
+    (tmp_path / "prefix.de").write_text("Die\n", encoding="utf-8")
+    short = subprocess.run([*script, *guided], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert short.returncode == 2 and short.stderr.strip().splitlines()[-1] == (
+        f"error: target_prefix={tmp_path / 'prefix.de'} has 1 lines for 3 of the split"
+    )
+    missing = subprocess.run([*script, "constraints=missing.tsv"], capture_output=True, text=True, env=env)
+    assert (
+        missing.returncode == 2 and missing.stderr.strip() == "error: constraints=missing.tsv is not a file"
+    )
 
 
 def test_evaluate_without_data_scores_the_corpus_the_checkpoint_was_trained_on(tiny_checkpoint, tmp_path):

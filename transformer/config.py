@@ -707,12 +707,15 @@ class EvaluateConfig(DecodeConfig):
     data: DataConfig = field(default_factory=DataConfig)
     split: str = "test"  # role: valid | test | train
     lowercase: bool | None = None  # also score lowercased; None = where the published figures are
+    target_prefix: str | None = None  # a file of what each output starts with, a line per line of the split
+    # a file of the phrases each output contains, a line per line of the split, phrases separated by tabs
+    constraints: str | None = None
 
     def check(self) -> None:
         super().check()
         self.require_choice("split", ROLES)
-        if self.alignment:
-            raise ConfigError("alignment=true: evaluate.py writes no alignments; translate.py does")
+        if self.constraints is not None and self.sampling:
+            raise ConfigError("constraints shape a search: not with sampling=true")
 
 
 @dataclass

@@ -32,9 +32,10 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
-from transformer.config import EvaluateConfig, to_dict
+from transformer.config import ConfigError, EvaluateConfig, to_dict
 from transformer.data.sources import read_split
-from transformer.inference.translation import Translator
+from transformer.inference.alignment import links_text
+from transformer.inference.translation import Translator, split_input
 from transformer.utils import atomic
 
 log = logging.getLogger(__name__)
@@ -224,15 +225,21 @@ def wants_lowercase(data_name: str, role: str) -> bool:
 
 def _search_name(cfg: EvaluateConfig, models: int, bf16: bool) -> str:
     """The search's own name (`SearchConfig.describe`: `beam4.alpha0.6`, `greedy`, `sample.seed<s>`,
-    ...), then `.bf16` (the weights in bf16, as auto on CUDA) or `.int8`, `.vmap-<file stem>-<the first
-    8 hex digits of its SHA-1>` with a vocabulary map, `.ensemble<n>` for n checkpoints
+    ...), then `.bf16` (the weights in bf16, as auto on CUDA) or `.int8`; `.prefix-`, `.constraints-`
+    and `.vmap-<file stem>-<the first 8 hex digits of its SHA-1>` with target prefixes, constraints and a
+    vocabulary map; `.ensemble<n>` for n checkpoints
     (`.w<w1>-<w2>...` with weights): another search never overwrites a result."""
     search = cfg.search.describe()
     if cfg.precision == "int8" or bf16:
         search += ".int8" if cfg.precision == "int8" else ".bf16"
-    if cfg.vocabulary_map is not None:
-        path = Path(cfg.vocabulary_map)
-        search += f".vmap-{path.stem}-{hashlib.sha1(path.read_bytes()).hexdigest()[:8]}"
+    for key, given in (
+        ("prefix", cfg.target_prefix),
+        ("constraints", cfg.constraints),
+        ("vmap", cfg.vocabulary_map),
+    ):
+        if given is not None:
+            path = Path(given)
+            search += f".{key}-{path.stem}-{hashlib.sha1(path.read_bytes()).hexdigest()[:8]}"
     if models > 1:
         search += f".ensemble{models}" + (
             ".w" + "-".join(f"{w:g}" for w in cfg.weights) if cfg.weights else ""
@@ -260,7 +267,20 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
             data.src_lang,
             data.tgt_lang,
         )
-    hypotheses = translator.translate(split.src, progress=True)
+    guides = {
+        key: split_input(Path(path).read_bytes())
+        for key, path in (("target_prefix", cfg.target_prefix), ("constraints", cfg.constraints))
+        if path is not None
+    }
+    for key, lines in guides.items():
+        if len(lines) != len(split.src):
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)} has {len(lines)} lines for {len(split.src)} of the split"
+            )
+    if "constraints" in guides:
+        guides["constraints"] = [line.split("\t") for line in guides["constraints"]]
+    best = [h[0] if h else None for h in translator.translate_nbest(split.src, progress=True, **guides)]
+    hypotheses = [h.text if h else "" for h in best]
     lowercase = cfg.lowercase if cfg.lowercase is not None else wants_lowercase(data.name, cfg.split)
     scores = score_all(hypotheses, split.tgt, data.tgt_lang, lowercase)
     bf16 = next(translator.model.parameters()).dtype == torch.bfloat16
@@ -277,9 +297,14 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
         "settings": {k: v for k, v in to_dict(cfg).items() if k != "data"},
     }
     atomic.write_bytes(Path(result["hypotheses"]), "".join(h + "\n" for h in hypotheses).encode("utf-8"))
+    if cfg.alignment:  # the word alignment of each line's translation, "source-target" pairs from 0
+        result["alignments"] = f"{stem}.align"
+        links = [links_text(h.alignment.words) if h and h.alignment else "" for h in best]
+        atomic.write_bytes(Path(result["alignments"]), "".join(line + "\n" for line in links).encode("utf-8"))
     path = f"{stem}.bleu.json"
     atomic.write_bytes(Path(path), (json.dumps(result, indent=2) + "\n").encode("utf-8"))
     of = " + ".join(checkpoints)
     title = f"BLEU and chrF of {of} on {data.name} {cfg.split} ({split.name}, {len(hypotheses)} sentences)"
-    table = f"{title}\n{paper_table(scores, data.name, cfg.split)}\nwrote {path} and {result['hypotheses']}"
+    written = " and ".join([path, result["hypotheses"], *([result["alignments"]] if cfg.alignment else [])])
+    table = f"{title}\n{paper_table(scores, data.name, cfg.split)}\nwrote {written}"
     return {**result, "path": path, "table": table}
