@@ -19,7 +19,6 @@ translation's word alignment, "source-target" pairs from 0).
 """
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -55,9 +54,6 @@ def main(cfg: DictConfig) -> None:
     log_to_stderr()
     try:
         settings = OmegaConf.to_container(cfg, resolve=True)
-        for key in ("target_prefix", "constraints"):  # before the checkpoints load
-            if (name := settings.get(key)) is not None and not Path(name).is_file():
-                raise ConfigError(f"{key}={name} is not a file")
         translator = Translator.from_checkpoint(from_dict(EvaluateConfig, settings))
         settings["data"] = corpus(cfg, (translator.info.get("config") or {}).get("data"))
         result = evaluate_checkpoint(from_dict(EvaluateConfig, settings), translator)

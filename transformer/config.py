@@ -714,6 +714,9 @@ class EvaluateConfig(DecodeConfig):
     def check(self) -> None:
         super().check()
         self.require_choice("split", ROLES)
+        for key in ("target_prefix", "constraints"):
+            if (name := getattr(self, key)) is not None and not Path(name).is_file():
+                raise ConfigError(f"{key}={name} is not a file")
         if self.constraints is not None and self.sampling:
             raise ConfigError("constraints shape a search: not with sampling=true")
 
