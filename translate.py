@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformer.checkpoint import CheckpointError
 from transformer.config import ConfigError, TranslateConfig, app_defaults, from_dict
 from transformer.inference.formats import format_line
-from transformer.inference.translation import Translator, split_input
+from transformer.inference.translation import Translator, read_phrases, split_input
 from transformer.utils import atomic
 from transformer.utils.cli import exit_with_error, log_to_stderr
 
@@ -96,16 +96,15 @@ def run(cfg: TranslateConfig) -> None:
             _file(name, key)  # before the checkpoints load
     interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
     prefixes = None if cfg.target_prefix is None else split_input(Path(cfg.target_prefix).read_bytes())
-    phrases = None if cfg.constraints is None else split_input(Path(cfg.constraints).read_bytes())
+    constraints = None if cfg.constraints is None else read_phrases(cfg.constraints)
     lines = None if interactive and cfg.score is None else read_lines(cfg)  # before the checkpoints load
-    for given, key in ((prefixes, "target_prefix"), (phrases, "constraints")):
+    for given, key in ((prefixes, "target_prefix"), (constraints, "constraints")):
         if given is not None and (lines is None or len(given) != len(lines)):
             what = "interactive input" if lines is None else f"{len(lines)} input lines"
             raise ConfigError(
                 f"{key}={getattr(cfg, key)} has {len(given)} lines for {what}: one per input line, of "
                 "input=FILE, text= or a piped file"
             )
-    constraints = None if phrases is None else [line.split("\t") for line in phrases]
     translator = Translator.from_checkpoint(cfg)
     with translator.packed():  # once for the session, not for every chunk of lines
         if lines is None:

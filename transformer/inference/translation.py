@@ -572,6 +572,11 @@ def _batches(
         yield batch
 
 
+def read_phrases(path: str | Path) -> list[list[str]]:
+    """A `constraints=FILE`: per line, the phrases its output contains, separated by tabs."""
+    return [line.split("\t") for line in split_input(Path(path).read_bytes())]
+
+
 def split_input(data: bytes) -> list[str]:
     """Lines of raw input, split on b"\\n" only (so a stray U+2028 or form feed cannot add a line);
     invalid UTF-8 is replaced by U+FFFD with a warning naming the line."""
