@@ -97,7 +97,7 @@ class Plan:
         its own checkpoints (which carry it), should the data be prepared again; None: learned on it."""
         if self.finetune is not None:
             return self.finetune.ckpt["spm_model"]
-        started = self.resume and self.resume.ckpt.get("config", {}).get("trainer", {}).get("finetune_from")
+        started = self.resume is not None and self.resume.finetuned_from
         return self.resume.ckpt["spm_model"] if started else None
 
     def with_data(self) -> Plan:
@@ -283,7 +283,7 @@ def check_same_start(cfg: TrainConfig, resume: Resume) -> None:
     """Refuse to go on, as a fine-tuning run of trainer.finetune_from, with a run that did not start from
     that checkpoint."""
     path = cfg.trainer.finetune_from
-    started = resume.ckpt.get("config", {}).get("trainer", {}).get("finetune_from")
+    started = resume.finetuned_from
     if path is not None and (started is None or Path(started).resolve() != Path(path).resolve()):
         raise ConfigError(
             f"trainer.finetune_from={path}, but {cfg.trainer.run_dir} holds a run started "

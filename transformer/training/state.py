@@ -37,6 +37,11 @@ class Resume:
     path: Path
     ckpt: dict[str, Any]
 
+    @property
+    def finetuned_from(self) -> str | None:
+        """The checkpoint whose weights started the run (trainer.finetune_from); None: from scratch."""
+        return self.ckpt.get("config", {}).get("trainer", {}).get("finetune_from")
+
 
 @dataclass
 class Run:
