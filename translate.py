@@ -53,13 +53,14 @@ def _file(name: str, key: str) -> Path:
 def chunks(stream: BinaryIO, size: int) -> Iterator[list[str]]:
     """The lines of `stream` `size` at a time, each chunk as soon as its lines have arrived."""
     pending: list[bytes] = []
+    done = 0  # lines yielded before: a warning numbers its line in the whole input
     for raw in iter(stream.readline, b""):
         pending.append(raw.removesuffix(b"\n"))
         if len(pending) == size:
-            yield split_input(b"\n".join(pending) + b"\n")
-            pending = []
+            yield split_input(b"\n".join(pending) + b"\n", done)
+            done, pending = done + size, []
     if pending:
-        yield split_input(b"\n".join(pending) + b"\n")
+        yield split_input(b"\n".join(pending) + b"\n", done)
 
 
 def results(

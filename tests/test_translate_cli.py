@@ -106,6 +106,33 @@ def test_many_bad_lines_give_the_first_few_warnings_and_a_count(tiny_checkpoint)
     assert len(errors) == 12
 
 
+def test_warnings_name_lines_in_the_whole_input_when_it_comes_in_chunks(tiny_checkpoint):
+    """buffer_size=2 translates two lines at a time; a warning still gives the line's number in the whole
+    input, not in its chunk."""
+    lines = [
+        b"The cat sees the house.",
+        b"A dog.",
+        b"bad \xff line",  # line 3: invalid UTF-8
+        b"A dog.",
+        " ".join(["the old tree"] * 100).encode(),  # line 5: too long, split
+        b"The cat.\t" + b"Katze " * 150,  # line 6: a phrase longer than an output can be
+    ]
+    done = translate(
+        f"checkpoint={tiny_checkpoint}",
+        "buffer_size=2",
+        "constraints_inline=true",
+        "beam_size=1",
+        stdin=b"\n".join(lines) + b"\n",
+    )
+    assert done.returncode == 0 and len(done.stdout.decode().splitlines()) == 6, done.stderr.decode()
+    errors = [line for line in done.stderr.decode().splitlines() if line.startswith("WARNING: ")]
+    by_line = {line.split(":")[1].strip(): line for line in errors}
+    assert sorted(by_line) == ["line 3", "line 5", "line 6"] and len(errors) == 3
+    assert "invalid UTF-8" in by_line["line 3"]
+    assert "parts; translating its sentences alone" in by_line["line 5"]
+    assert "its target prefix and constraints take" in by_line["line 6"]
+
+
 @pytest.mark.parametrize(
     "make_path, message",
     [

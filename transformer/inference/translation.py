@@ -148,20 +148,25 @@ class Translator:
         return cls(models, loaded[0][1], cfg, info, kernels, vocabulary_map)
 
     def encode(
-        self, lines: list[str], search: SearchConfig | None = None, whole: list[bool] | None = None
+        self,
+        lines: list[str],
+        search: SearchConfig | None = None,
+        whole: list[bool] | None = None,
+        first: int | list[int] = 0,
     ) -> list[list[list[int]]]:
         """Per line its sources (pieces + [EOS]), none for an empty line: one, or for a line longer than
         the search's output limit leaves room for, its parts (`long_inputs=split`) or its first pieces
         (`truncate`, and for the lines `whole` marks: those with constraints, whose phrases are the whole
-        line's), with a warning naming the line."""
+        line's), with a warning naming the line (by its number in the whole input: `first`, as
+        `translate_nbest` takes it)."""
         search = search or self.cfg.search
         sources, split, cut, room = [], [], [], self.max_source_tokens(search) - 1
-        for number, line in enumerate(lines, start=1):
+        for i, (number, line) in enumerate(zip(line_numbers(first, len(lines)), lines)):
             ids = self.tokenizer.encode(line) if line.strip() else []
             parts = [ids] if ids else []
             if len(ids) > room:
                 problem = f"{len(ids)} pieces exceed the {room} this model can take"
-                if search.long_inputs == "split" and not (whole and whole[number - 1]):
+                if search.long_inputs == "split" and not (whole and whole[i]):
                     parts = self._parts(line, room)
                     split.append((number, f"{problem}: {len(parts)} parts"))
                 else:
@@ -318,9 +323,10 @@ class Translator:
         `guides` takes it."""
         one, lines = _lines(lines)
         constraints = _per_line(one, constraints)
-        guides = self.guides(lines, target_prefix, constraints, search, strict)
+        guides = self.guides(lines, target_prefix, constraints, search, strict, first)
         search = search or self.cfg.search
-        nbest = self.nbest_of(self.encode(lines, search, kept_whole(guides)), progress, first, search, guides)
+        sources = self.encode(lines, search, kept_whole(guides), first)
+        nbest = self.nbest_of(sources, progress, first, search, guides)
         return nbest[0] if one else nbest
 
     def guides(
@@ -330,11 +336,13 @@ class Translator:
         constraints: list[list[str]] | None = None,
         search: SearchConfig | None = None,
         strict: bool = True,
+        first: int | list[int] = 0,
     ) -> list[Guide] | None:
         """Each line's `Guide`: the pieces of its target prefix ("": none) and of its phrases; None
         without either. Counts other than the lines' and phrases with sampling (of `search`, default the
         settings') are refused; so is a line whose prefix and phrases leave no room in the model's
-        positions, or, not `strict`, translated without them, with a warning naming it."""
+        positions, or, not `strict`, translated without them, with a warning naming it (numbered from
+        `first`, as `translate_nbest` takes it)."""
         if target_prefix is None and constraints is None:
             return None
         prefixes = [target_prefix] if isinstance(target_prefix, str) else target_prefix or [""] * len(lines)
@@ -350,7 +358,7 @@ class Translator:
             for p, cs in zip(prefixes, phrases)
         ]
         too_long = []
-        for number, guide in enumerate(guides, start=1):
+        for i, (number, guide) in enumerate(zip(line_numbers(first, len(lines)), guides)):
             pieces = len(guide.prefix) + sum(map(len, guide.phrases))
             if pieces >= self.max_positions:
                 problem = (
@@ -360,7 +368,7 @@ class Translator:
                 if strict:
                     raise ConfigError(f"line {number}: {problem}")
                 too_long.append((number, problem))
-                guides[number - 1] = Guide([], [])
+                guides[i] = Guide([], [])
         warn_lines(too_long, "translating it without them")
         return guides
 
@@ -577,14 +585,21 @@ def read_phrases(path: str | Path) -> list[list[str]]:
     return [line.split("\t") for line in split_input(Path(path).read_bytes())]
 
 
-def split_input(data: bytes) -> list[str]:
+def line_numbers(first: int | list[int], count: int) -> list[int]:
+    """The numbers, from 1, that warnings give `count` lines whose first is line `first` (from 0) of the
+    whole input, or whose own numbers (from 0) are the list `first`."""
+    return [n + 1 for n in first] if isinstance(first, list) else list(range(first + 1, first + count + 1))
+
+
+def split_input(data: bytes, first: int = 0) -> list[str]:
     """Lines of raw input, split on b"\\n" only (so a stray U+2028 or form feed cannot add a line);
-    invalid UTF-8 is replaced by U+FFFD with a warning naming the line."""
+    invalid UTF-8 is replaced by U+FFFD with a warning naming the line (the first being line `first`
+    from 0 of the whole input)."""
     lines = data.split(b"\n")
     if lines[-1] == b"":  # the input ended with a newline (or was empty)
         lines.pop()
     text, invalid = [], []
-    for number, raw in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=first + 1):
         raw = raw.removesuffix(b"\r")
         try:
             text.append(raw.decode("utf-8"))
