@@ -290,6 +290,24 @@ def test_maximum_length_is_source_plus_b_and_min_len_forces_it():
         assert all(EOS_ID not in t and PAD_ID not in t and BOS_ID not in t for t in result.tokens)
 
 
+def test_the_first_step_of_a_search_decodes_one_row_per_sentence():
+    """Before step 1 a sentence has one hypothesis, [BOS]: the search in dynamic shapes projects one row
+    per sentence then, and k from step 2 on (the static one keeps k rows throughout, and chooses the
+    same)."""
+    model, src = tiny_model(seed=3), sources([2, 6, 4], 24)
+    search = SearchConfig(beam_size=4, alpha=0.6, max_len_a=0.0, max_len_b=3)
+    seen = []
+
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.size(0) == model.cfg.vocab_size:  # the output projection (the vocabulary at once)
+            seen.append(x.size(0))
+        return F.linear(x, weight)
+
+    result = beam_search(model, src, search, min_len=50, linear=linear)
+    assert seen == [3, 12, 12]
+    assert result.tokens == static_beam_search(model, src, search, min_len=50).tokens
+
+
 @pytest.mark.parametrize(
     "chunk, step, min_len, n", [(7, 1, 0, 8), (13, 2, 5, 8), (9, 3, 0, 1), (40, 1, 0, 8), (4, 1, 5, 8)]
 )

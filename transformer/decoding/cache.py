@@ -24,14 +24,22 @@ class DecoderCache:
     """Keys and values for decoding N sentences in rows of N x k (k beams each, sentence-major)."""
 
     def __init__(
-        self, model: Transformer, memory: Tensor, src_mask: Tensor, rows: int, limit: int, static: bool
+        self,
+        model: Transformer,
+        memory: Tensor,
+        src_mask: Tensor,
+        rows: int,
+        limit: int,
+        static: bool,
+        first: int | None = None,
     ):
-        """memory (N, S, d_model), src_mask (N, S): the sources; `rows` hypotheses decode at once."""
+        """memory (N, S, d_model), src_mask (N, S): the sources; at most `rows` hypotheses decode at
+        once, `first` of them (default all) at the first step."""
         self.src_mask, self.static, self.length = src_mask, static, 0  # positions written (dynamic)
         self.position = torch.zeros((), dtype=torch.long, device=memory.device)  # the same, on the device
         self.key_positions = torch.arange(limit, device=memory.device)[None]  # (1, L)
         self.key_mask = torch.zeros(1, limit, dtype=torch.bool, device=memory.device)  # written (static)
-        self.layers = [LayerCache(self, layer, memory, rows, limit) for layer in model.decoder]
+        self.layers = [LayerCache(self, layer, memory, rows, limit, first or rows) for layer in model.decoder]
 
     def positions(self, t: int) -> Tensor:
         """(T,) the positions of the next T tokens; marks them as written for the static layout."""
@@ -59,7 +67,9 @@ class DecoderCache:
 class LayerCache:
     """One decoder layer's keys and values (`attention.LayerCache`)."""
 
-    def __init__(self, cache: DecoderCache, layer: DecoderLayer, memory: Tensor, rows: int, limit: int):
+    def __init__(
+        self, cache: DecoderCache, layer: DecoderLayer, memory: Tensor, rows: int, limit: int, first: int
+    ):
         self.cache = cache
         # (N, H_kv, S, d), contiguous: every step reads them; the beams of a sentence share them
         self.cross = tuple(x.contiguous() for x in layer.cross_attn.project_kv(memory))
@@ -67,9 +77,13 @@ class LayerCache:
         # static layout reads unwritten positions (masked), which must hold numbers, the dynamic one never
         k, attn = self.cross[0], layer.self_attn
         new = k.new_zeros if cache.static else k.new_empty
-        self.keys = new(rows, attn.n_kv_heads, limit, attn.d_k)
-        self.values = new(rows, attn.n_kv_heads, limit, attn.d_v)
-        self.spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
+        # two pairs of buffers for up to `rows`, of which a reorder copies the used rows into the other
+        self.buffers = (
+            new(rows, attn.n_kv_heads, limit, attn.d_k),
+            new(rows, attn.n_kv_heads, limit, attn.d_v),
+        )
+        self.spare = (torch.empty_like(self.buffers[0]), torch.empty_like(self.buffers[1]))
+        self.keys, self.values = _first(self.buffers[0], first), _first(self.buffers[1], first)
         self.pending: Tensor | None = None  # a reorder not carried out yet (dynamic layout)
 
     def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -108,10 +122,15 @@ class LayerCache:
             self.cross = (self.cross[0].index_select(0, sentences), self.cross[1].index_select(0, sentences))
 
     def _move(self, rows: Tensor, end: int) -> None:
-        """One copy of the first `end` positions into the spare buffers, which then trade places with
-        the layer's buffers (rows only ever shrink: the spare ones have enough)."""
-        k, v = self.keys, self.values
-        spare_k, spare_v = self.spare[0][: rows.size(0)], self.spare[1][: rows.size(0)]
-        torch.index_select(k[:, :, :end], 0, rows, out=spare_k[:, :, :end])
-        torch.index_select(v[:, :, :end], 0, rows, out=spare_v[:, :, :end])
-        self.keys, self.values, self.spare = spare_k, spare_v, (k, v)
+        """One copy of the first `end` positions of the rows `rows` into the spare buffers, which then
+        trade places with the layer's."""
+        spare_k, spare_v = _first(self.spare[0], rows.size(0)), _first(self.spare[1], rows.size(0))
+        torch.index_select(self.keys[:, :, :end], 0, rows, out=spare_k[:, :, :end])
+        torch.index_select(self.values[:, :, :end], 0, rows, out=spare_v[:, :, :end])
+        self.keys, self.values = spare_k, spare_v
+        self.buffers, self.spare = self.spare, self.buffers
+
+
+def _first(buffer: Tensor, rows: int) -> Tensor:
+    """The first `rows` rows of buffer: itself where that is all of them."""
+    return buffer if buffer.size(0) == rows else buffer[:rows]

@@ -170,8 +170,9 @@ class _Beams:
         prefix: Tensor,
         constraints: Constraints | None,
     ) -> _Beams:
-        """One live hypothesis per sentence, [BOS], and the other k - 1 rows impossible until step 1 (a
-        search); or all k rows live (`keys` given: sampling). prefix (B, P): forced first tokens."""
+        """One live hypothesis per sentence, [BOS], in a row of its own (k = 1 until step 1 widens it: a
+        search in dynamic shapes), or in the first of k rows, the others impossible until step 1 (static
+        shapes); or all k rows live (`keys` given: sampling). prefix (B, P): forced first tokens."""
         b, device = src.size(0), src.device
         scores = torch.full((b, k), NEG_INF, device=device)
         scores[:, 0] = 0.0
@@ -206,13 +207,18 @@ class _Beams:
 
     def extend(self, reorder: Tensor, new_token: Tensor, token_score: Tensor, step: Tensor) -> None:
         """Row i becomes row reorder[i] (N * k,) extended by new_token[i] (N * k, 1), whose log-probability
-        is token_score[i] (N * k,), at `step`, in place."""
+        is token_score[i] (N * k,), at `step`: in place, or from one row per sentence to k (the first
+        step of a search in dynamic shapes)."""
         at = (step - 1).view(1)
         tokens = self.tokens.index_select(0, reorder)  # (N * k, L)
         tokens.index_copy_(1, at, new_token)
-        self.tokens.copy_(tokens)
         token_scores = self.token_scores.index_select(0, reorder)  # (N * k, L)
         token_scores.index_copy_(1, at, token_score[:, None])
+        if reorder.size(0) != self.last.size(0):
+            self.tokens, self.token_scores, self.last, self.reorder = tokens, token_scores, new_token, reorder
+            self.keys, self.met, self.inside = self.keys[reorder], self.met[reorder], self.inside[reorder]
+            return
+        self.tokens.copy_(tokens)
         self.token_scores.copy_(token_scores)
         self.last.copy_(new_token)
         self.reorder.copy_(reorder)
@@ -307,14 +313,17 @@ class BeamSearch:
         if cons is not None:
             limits = (limits + cons.count).clamp(max=positions)  # room for the phrases' tokens
         limit = int(limits.max())
+        # a search in dynamic shapes decodes step 1 on one row per sentence, then on k (as CTranslate2)
+        width = 1 if not static and self.sampling is None else k
         self.caches = [
-            DecoderCache(m, m.encode(src, src_mask), src_mask, b * k, limit, static) for m in self.models
+            DecoderCache(m, m.encode(src, src_mask), src_mask, b * k, limit, static, b * width)
+            for m in self.models
         ]
         keys = torch.zeros(0, dtype=torch.long, device=src.device)
         if search.sampling:
             ids = torch.arange(b, device=src.device) if sentence_ids is None else sentence_ids.to(src.device)
             keys = sample_keys(search.seed, ids, k)
-        self.beams = _Beams.start(src, limits, k, nbest, alpha, limit, keys, prefix, cons)
+        self.beams = _Beams.start(src, limits, width, nbest, alpha, limit, keys, prefix, cons)
         self.results = _Results(b)
 
     @property
@@ -351,7 +360,10 @@ class BeamSearch:
             beams.finish_rows(cut > NEG_INF, cut, step, None)
             finished = live_scores.isneginf().all(dim=1)  # every sample ended
         beams.done |= finished | at_limit[:, 0]
-        beams.scores.copy_(live_scores)
+        if beams.scores.shape == live_scores.shape:
+            beams.scores.copy_(live_scores)
+        else:  # the first step of a search in dynamic shapes: from one row per sentence to k
+            beams.scores = live_scores
         if self.static and k > 1 and self.sampling is None:  # a beam of 1 and samples extend their own rows
             for cache in self.caches:
                 cache.reorder(reorder)
@@ -360,7 +372,7 @@ class BeamSearch:
         """Beam search's step: rank the extensions, finish the EOS endings among the k best, extend the
         k best others (under constraints, allocated across the banks of constraint tokens met). Returns
         the new live scores (N, k) and the row each row extends (N * k,)."""
-        beams, k = self.beams, self.k
+        beams, k, width = self.beams, self.k, self.beams.scores.size(1)  # width: rows per sentence now
         repeats, own, banks = self._repeats(step), None, None  # own: the tokens' own log-probabilities
         if beams.constraints is not None:
             (log_probs, tokens, own), (met, inside) = self._constrained_candidates(states, step)
@@ -374,7 +386,7 @@ class BeamSearch:
         else:
             args = (states, self.model, step, self.min_len, self.linear, repeats, self.shortlist)
             log_probs, own_log_probs = next_log_probs(*args)  # (N * k, V) twice
-            log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, k)
+            log_probs = force_prefix(log_probs, own_log_probs, beams.prefix, step, width)
             chosen = top_n(log_probs, min(2 * k, log_probs.size(-1)))
             own = own_log_probs.gather(1, chosen[1]) if repeats is not None else None
         levels = None if banks is None else beams.constraints.count
@@ -382,9 +394,9 @@ class BeamSearch:
         live_scores, reorder, new_token, new_score, eos_scores, eos_rows, eos_token_scores, picked = ranked
         for j in range(beams.best.size(1)):  # the n best EOS endings, best first (EOS itself is not output)
             beams.finish(eos_scores[:, j], eos_rows[:, j], step - 1, eos_token_scores[:, j])
+        beams.extend(reorder, new_token, new_score, step)
         if banks is not None:  # the constraint state of the extensions taken
             beams.met, beams.inside = met.flatten(0, 1)[picked], inside.flatten()[picked]
-        beams.extend(reorder, new_token, new_score, step)
         return live_scores, reorder
 
     def _constrained_candidates(
@@ -395,21 +407,23 @@ class BeamSearch:
         their (ranking log-probabilities, tokens, own log-probabilities), each (R, m), R = N * k, and
         the constraint state after each (met (R, m, M), inside (R, m))."""
         beams, k, cons = self.beams, self.k, self.beams.constraints
+        width = beams.scores.size(1)  # rows per sentence now
         args = (states, self.model, step, self.min_len, self.linear, self._repeats(step), self.shortlist)
         log_probs, own = next_log_probs(*args)  # (R, V) twice
-        log_probs = force_prefix(log_probs, own, beams.prefix, step, k)
-        complete = cons.complete(beams.met, beams.inside, k)  # (R,)
+        log_probs = force_prefix(log_probs, own, beams.prefix, step, width)
+        complete = cons.complete(beams.met, beams.inside, width)  # (R,)
         eos = torch.arange(log_probs.size(1), device=log_probs.device) == EOS_ID
         log_probs = log_probs.masked_fill(eos & ~complete[:, None], NEG_INF)
         best, tokens = top_n(log_probs, min(2 * k, log_probs.size(1)))  # (R, 2k)
-        extra = offered(cons, beams.met, beams.inside, k)  # (R, M)
+        extra = offered(cons, beams.met, beams.inside, width)  # (R, M)
         repeated = (extra[:, :, None] == tokens[:, None, :]).any(dim=2) | (extra == PAD_ID)
         tokens = torch.cat([tokens, extra], dim=1)  # (R, m)
         # a phrase's pieces are the user's: their own log-probabilities (no repetition control bans them),
         # but none takes the place of a prefix's piece
-        offer = force_prefix(own, own, beams.prefix, step, k).gather(1, extra)  # (R, M)
+        offer = force_prefix(own, own, beams.prefix, step, width).gather(1, extra)  # (R, M)
         scores = torch.cat([best, offer.masked_fill(repeated, NEG_INF)], dim=1)  # (R, m)
-        return (scores, tokens, own.gather(1, tokens)), advanced(cons, beams.met, beams.inside, tokens, k)
+        state = advanced(cons, beams.met, beams.inside, tokens, width)
+        return (scores, tokens, own.gather(1, tokens)), state
 
     def _sample(self, states: list[Tensor], step: Tensor, penalty: Tensor) -> tuple[Tensor, Tensor]:
         """Sampling's step: each live row draws its next token; one drawing EOS is finished, the others
@@ -534,7 +548,7 @@ def rank_extensions(
     token_scores = (log_probs if own is None else own).view(n, k_in * m)
     candidates = (scores[:, :, None] + log_probs.view(n, k_in, m)).view(n, k_in * m)
     # the 2k best can hold the k best not ending in EOS (at most k of 2k do); banks choose among all
-    pool = 2 * k if banks is None else k_in * m
+    pool = 2 * k if banks is None else max(k_in * m, k)
     if candidates.size(1) < pool:  # fewer candidates than asked for: pad with impossible ones
         candidates = F.pad(candidates, (0, pool - candidates.size(1)), value=NEG_INF)
     top_scores, top_index = candidates.topk(pool, dim=1)  # (N, pool), best first
