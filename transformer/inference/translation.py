@@ -161,7 +161,7 @@ class Translator:
         `translate_nbest` takes it)."""
         search = search or self.cfg.search
         sources, split, cut, room = [], [], [], self.max_source_tokens(search) - 1
-        for i, (number, line) in enumerate(zip(line_numbers(first, len(lines)), lines)):
+        for i, (number, line) in enumerate(zip(line_numbers(first, len(lines), start=1), lines)):
             ids = self.tokenizer.encode(line) if line.strip() else []
             parts = [ids] if ids else []
             if len(ids) > room:
@@ -266,7 +266,7 @@ class Translator:
         """The hypotheses of each source; sources are batched by length and results put back in order.
         first: the number of the first source in the whole input, or each source's number (sampling
         draws by line number); guides: each source's prefix and phrases."""
-        numbers = torch.tensor(first) if isinstance(first, list) else first + torch.arange(len(sources))
+        numbers = torch.tensor(line_numbers(first, len(sources)), dtype=torch.long)
         outputs: list[list[Hypothesis]] = [[] for _ in sources]
         todo = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i]))
         bar = tqdm(total=len(todo), unit=" sent", disable=not progress, desc="translating")
@@ -358,7 +358,7 @@ class Translator:
             for p, cs in zip(prefixes, phrases)
         ]
         too_long = []
-        for i, (number, guide) in enumerate(zip(line_numbers(first, len(lines)), guides)):
+        for i, (number, guide) in enumerate(zip(line_numbers(first, len(lines), start=1), guides)):
             pieces = len(guide.prefix) + sum(map(len, guide.phrases))
             if pieces >= self.max_positions:
                 problem = (
@@ -385,7 +385,7 @@ class Translator:
         their scores, log-probabilities and pieces (each "</s>" too) added up, and their alignments
         (`joined`)."""
         search = search or self.cfg.search
-        numbers = [first + i for i in range(len(sources))] if isinstance(first, int) else first
+        numbers = line_numbers(first, len(sources))
         # each part draws its own samples: the first the line's number, the others apart from every line's
         keys = [
             n if j == 0 else -((n << 20) + j) for n, parts in zip(numbers, sources) for j in range(len(parts))
@@ -585,10 +585,11 @@ def read_phrases(path: str | Path) -> list[list[str]]:
     return [line.split("\t") for line in split_input(Path(path).read_bytes())]
 
 
-def line_numbers(first: int | list[int], count: int) -> list[int]:
-    """The numbers, from 1, that warnings give `count` lines whose first is line `first` (from 0) of the
-    whole input, or whose own numbers (from 0) are the list `first`."""
-    return [n + 1 for n in first] if isinstance(first, list) else list(range(first + 1, first + count + 1))
+def line_numbers(first: int | list[int], count: int, start: int = 0) -> list[int]:
+    """The numbers in the whole input (from 0; from `start` for warnings) of `count` lines whose first is
+    line `first`, or whose own numbers are the list `first` (`translate_nbest`'s argument)."""
+    numbers = first if isinstance(first, list) else range(first, first + count)
+    return [n + start for n in numbers]
 
 
 def split_input(data: bytes, first: int = 0) -> list[str]:
