@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformer.checkpoint import CheckpointError
 from transformer.config import ConfigError, TranslateConfig, app_defaults, from_dict
 from transformer.inference.formats import format_line
-from transformer.inference.translation import Translator, read_phrases, split_input
+from transformer.inference.translation import Translator, read_guides, split_input
 from transformer.utils import atomic
 from transformer.utils.cli import exit_with_error, log_to_stderr
 
@@ -40,14 +40,7 @@ def read_lines(cfg: TranslateConfig) -> list[str]:
         return [" ".join(cfg.text.encode("utf-8", "surrogateescape").decode("utf-8", "replace").splitlines())]
     if cfg.input is None:
         return split_input(sys.stdin.buffer.read())
-    return split_input(_file(cfg.input, "input").read_bytes())
-
-
-def _file(name: str, key: str) -> Path:
-    path = Path(name)
-    if not path.is_file():
-        raise ConfigError(f"{key}={name} is not a file")
-    return path
+    return split_input(Path(cfg.input).read_bytes())
 
 
 def chunks(stream: BinaryIO, size: int) -> Iterator[list[str]]:
@@ -68,21 +61,20 @@ def results(
     cfg: TranslateConfig,
     lines: list[str],
     first: int,
-    prefixes: list[str] | None,
-    constraints: list[list[str]] | None,
+    guides: dict[str, list],
 ) -> str:
-    """The output of input lines numbered from `first`, in cfg.output_format; prefixes, constraints:
-    theirs (target_prefix=FILE, constraints=FILE); constraints_inline: each line's phrases after tabs."""
+    """The output of input lines numbered from `first`, in cfg.output_format; guides: their target
+    prefixes and constraints (`read_guides`); constraints_inline: each line's phrases after tabs."""
     if cfg.constraints_inline:
         fields = [line.split("\t") for line in lines]
-        lines, constraints = [f[0] for f in fields], [f[1:] for f in fields]
+        lines, guides = [f[0] for f in fields], {**guides, "constraints": [f[1:] for f in fields]}
     if cfg.score is not None:
-        references = split_input(_file(cfg.score, "score").read_bytes())
+        references = split_input(Path(cfg.score).read_bytes())
         found = [[t] if t is not None else [] for t in translator.score(lines, references)]
     else:
         progress = cfg.input is not None
         # a line whose prefix and phrases do not fit is warned about, not a stop: one output line per line
-        found = translator.translate_nbest(lines, progress, first, None, prefixes, constraints, strict=False)
+        found = translator.translate_nbest(lines, progress, first, strict=False, **guides)
     return "".join(
         format_line(cfg.output_format, first + i, line, h) for i, (line, h) in enumerate(zip(lines, found))
     )
@@ -92,26 +84,17 @@ def run(cfg: TranslateConfig) -> None:
     output = Path(cfg.output) if cfg.output is not None else None
     if output is not None and (output.is_dir() or not output.resolve().parent.is_dir()):
         raise ConfigError(f"output={cfg.output} must be a file in an existing directory")
-    for key in ("input", "score", "target_prefix", "constraints"):
-        if (name := getattr(cfg, key)) is not None:
-            _file(name, key)  # before the checkpoints load
     interactive = cfg.text is None and cfg.input is None and (cfg.buffer_size or sys.stdin.isatty())
-    prefixes = None if cfg.target_prefix is None else split_input(Path(cfg.target_prefix).read_bytes())
-    constraints = None if cfg.constraints is None else read_phrases(cfg.constraints)
     lines = None if interactive and cfg.score is None else read_lines(cfg)  # before the checkpoints load
-    for given, key in ((prefixes, "target_prefix"), (constraints, "constraints")):
-        if given is not None and (lines is None or len(given) != len(lines)):
-            what = "interactive input" if lines is None else f"{len(lines)} input lines"
-            raise ConfigError(
-                f"{key}={getattr(cfg, key)} has {len(given)} lines for {what}: one per input line, of "
-                "input=FILE, text= or a piped file"
-            )
+    count = None if lines is None else len(lines)
+    what = "interactive input" if lines is None else f"{count} input lines"
+    guides = read_guides(cfg, count, f"{what}: one per input line, of input=FILE, text= or a piped file")
     translator = Translator.from_checkpoint(cfg)
     with translator.packed():  # once for the session, not for every chunk of lines
         if lines is None:
             written, first = [], 0
             for lines in chunks(sys.stdin.buffer, cfg.buffer_size or 1):
-                text = results(translator, cfg, lines, first, prefixes, constraints)
+                text = results(translator, cfg, lines, first, guides)
                 first += len(lines)
                 if output is None:
                     sys.stdout.buffer.write(text.encode("utf-8"))
@@ -119,7 +102,7 @@ def run(cfg: TranslateConfig) -> None:
                 written.append(text)
             text = "".join(written)
         else:
-            text = results(translator, cfg, lines, 0, prefixes, constraints)
+            text = results(translator, cfg, lines, 0, guides)
             if output is None:
                 sys.stdout.buffer.write(text.encode("utf-8"))
                 sys.stdout.flush()

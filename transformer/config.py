@@ -60,6 +60,11 @@ class Settings:
     def require_choice(self, key: str, choices: tuple[str | None, ...]) -> None:
         self.require(getattr(self, key) in choices, key, f"must be {one_of(choices)}")
 
+    def require_files(self, *keys: str) -> None:
+        for key in keys:
+            if (name := getattr(self, key)) is not None and not Path(name).is_file():
+                raise ConfigError(f"{self.PREFIX}{key}={name} is not a file")
+
     def require_positive(self, *keys: str) -> None:
         for key in keys:
             self.require(getattr(self, key) > 0, key, "must be positive")
@@ -580,8 +585,7 @@ class DecodeConfig(SearchConfig, DecodingPrecision, DeviceConfig):
     def check(self) -> None:
         if self.checkpoint is None:
             raise ConfigError("checkpoint=PATH is required (a .pt file written by train.py)")
-        if self.vocabulary_map is not None and not Path(self.vocabulary_map).is_file():
-            raise ConfigError(f"vocabulary_map={self.vocabulary_map} is not a file")
+        self.require_files("vocabulary_map")
         self.require_positive("max_tokens", "max_sentences")
         super().check()
         if self.precision == "int8" and (self.device.startswith("cuda") or self.cuda_graphs):
@@ -602,7 +606,16 @@ class DecodeConfig(SearchConfig, DecodingPrecision, DeviceConfig):
 
 
 @dataclass
-class TranslateConfig(DecodeConfig):
+class GuideFiles(Settings):
+    """Files that guide each line's search, a line per input line (or line of the split): what its
+    output starts with, and the phrases its output contains (decoding/constraints.py)."""
+
+    target_prefix: str | None = None  # a file of what each output starts with
+    constraints: str | None = None  # a file of the phrases each output contains, separated by tabs
+
+
+@dataclass
+class TranslateConfig(DecodeConfig, GuideFiles):
     """`translate.py`: lines from `input` (default stdin) or one `text`, to `output` (default stdout)."""
 
     input: str | None = None  # a text file, one sentence per line; None = standard input
@@ -614,9 +627,6 @@ class TranslateConfig(DecodeConfig):
     score: str | None = (
         None  # a file of given translations, a line per input line, to score instead of search
     )
-    target_prefix: str | None = None  # a file of what each output starts with, a line per input line
-    # a file of the phrases each output contains, a line per input line, phrases separated by tabs
-    constraints: str | None = None
     constraints_inline: bool = False  # the phrases follow the source on its input line, after tabs (fairseq)
     buffer_size: int | None = None  # translate and write each N lines as they arrive; None: 1 from a terminal
 
@@ -652,6 +662,7 @@ class TranslateConfig(DecodeConfig):
                 "output_format=fairseq"
             )
         self.require(self.buffer_size is None or self.buffer_size >= 1, "buffer_size", "must be at least 1")
+        self.require_files("input", "score", "target_prefix", "constraints")  # before any checkpoint loads
 
 
 @dataclass
@@ -701,22 +712,17 @@ def _loopback(host: str) -> bool:
 
 
 @dataclass
-class EvaluateConfig(DecodeConfig):
+class EvaluateConfig(DecodeConfig, GuideFiles):
     """`scripts/evaluate.py`: BLEU of a checkpoint on one split (role) of a corpus."""
 
     data: DataConfig = field(default_factory=DataConfig)
     split: str = "test"  # role: valid | test | train
     lowercase: bool | None = None  # also score lowercased; None = where the published figures are
-    target_prefix: str | None = None  # a file of what each output starts with, a line per line of the split
-    # a file of the phrases each output contains, a line per line of the split, phrases separated by tabs
-    constraints: str | None = None
 
     def check(self) -> None:
         super().check()
         self.require_choice("split", ROLES)
-        for key in ("target_prefix", "constraints"):
-            if (name := getattr(self, key)) is not None and not Path(name).is_file():
-                raise ConfigError(f"{key}={name} is not a file")
+        self.require_files("target_prefix", "constraints")
         if self.constraints is not None and self.sampling:
             raise ConfigError("constraints shape a search: not with sampling=true")
 

@@ -32,10 +32,10 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
-from transformer.config import ConfigError, EvaluateConfig, to_dict
+from transformer.config import EvaluateConfig, to_dict
 from transformer.data.sources import read_split
 from transformer.inference.alignment import links_text
-from transformer.inference.translation import Translator, read_phrases, split_input
+from transformer.inference.translation import Translator, read_guides
 from transformer.utils import atomic
 
 log = logging.getLogger(__name__)
@@ -267,16 +267,7 @@ def evaluate_checkpoint(cfg: EvaluateConfig, translator: Translator | None = Non
             data.src_lang,
             data.tgt_lang,
         )
-    guides: dict[str, list] = {}
-    if cfg.target_prefix is not None:
-        guides["target_prefix"] = split_input(Path(cfg.target_prefix).read_bytes())
-    if cfg.constraints is not None:
-        guides["constraints"] = read_phrases(cfg.constraints)
-    for key, lines in guides.items():
-        if len(lines) != len(split.src):
-            raise ConfigError(
-                f"{key}={getattr(cfg, key)} has {len(lines)} lines for {len(split.src)} of the split"
-            )
+    guides = read_guides(cfg, len(split.src), f"{len(split.src)} of the split")
     best = [h[0] if h else None for h in translator.translate_nbest(split.src, progress=True, **guides)]
     hypotheses = [h.text if h else "" for h in best]
     lowercase = cfg.lowercase if cfg.lowercase is not None else wants_lowercase(data.name, cfg.split)

@@ -23,7 +23,7 @@ from sentence_splitter import SentenceSplitter, SentenceSplitterException
 from tqdm import tqdm
 
 from transformer.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-from transformer.config import ConfigError, DecodeConfig, SearchConfig
+from transformer.config import ConfigError, DecodeConfig, GuideFiles, SearchConfig
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import (
     Ensemble,
@@ -580,9 +580,19 @@ def _batches(
         yield batch
 
 
-def read_phrases(path: str | Path) -> list[list[str]]:
-    """A `constraints=FILE`: per line, the phrases its output contains, separated by tabs."""
-    return [line.split("\t") for line in split_input(Path(path).read_bytes())]
+def read_guides(cfg: GuideFiles, count: int | None, what: str) -> dict[str, list]:
+    """The target prefixes and constraints of `target_prefix=FILE` and `constraints=FILE` (phrases
+    separated by tabs), by `translate_nbest`'s keywords; each file must have a line for each of `count`
+    input lines (None, interactive input: no file can), which `what` names in the error otherwise."""
+    guides: dict[str, list] = {}
+    if cfg.target_prefix is not None:
+        guides["target_prefix"] = split_input(Path(cfg.target_prefix).read_bytes())
+    if cfg.constraints is not None:
+        guides["constraints"] = [line.split("\t") for line in split_input(Path(cfg.constraints).read_bytes())]
+    for key, given in guides.items():
+        if len(given) != count:
+            raise ConfigError(f"{key}={getattr(cfg, key)} has {len(given)} lines for {what}")
+    return guides
 
 
 def line_numbers(first: int | list[int], count: int, start: int = 0) -> list[int]:
