@@ -107,10 +107,13 @@ def test_the_beams_of_a_sentence_keep_their_histories_through_reorders(static):
     tgt = torch.randint(4, 40, (3, 4), generator=torch.Generator().manual_seed(5))
     cache = DecoderCache(model, memory, mask, rows=3, limit=4, static=static)
     model.decode(tgt[:, :1], cache=cache)
+    buffers = [cache.layers[0].keys.data_ptr()]
     cache.reorder(torch.tensor([0, 0, 2]))  # row 1 takes row 0's history, rows 0 and 2 keep theirs
     model.decode(tgt[:, 1:2], cache=cache)
+    buffers.append(cache.layers[0].keys.data_ptr())
     cache.reorder(torch.tensor([2, 1, 1]))
     step = model.decode(tgt[:, 2:3], cache=cache)
+    assert (buffers[0] == buffers[1]) != static  # dynamic: rows copied in place; static: two buffers swap
     history = [[2, 2, 0], [0, 1, 1], [0, 1, 2]]  # the row whose token each position holds
     tokens = torch.stack([tgt[history[i], torch.arange(3)] for i in range(3)])  # (3, 3)
     expected = model.decode(tokens, memory.expand(3, -1, -1), mask.expand(3, -1))[:, 2]

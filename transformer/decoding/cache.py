@@ -77,12 +77,15 @@ class LayerCache:
         # static layout reads unwritten positions (masked), which must hold numbers, the dynamic one never
         k, attn = self.cross[0], layer.self_attn
         new = k.new_zeros if cache.static else k.new_empty
-        # two pairs of buffers for up to `rows`, of which a reorder copies the used rows into the other
         self.buffers = (
             new(rows, attn.n_kv_heads, limit, attn.d_k),
             new(rows, attn.n_kv_heads, limit, attn.d_v),
         )
-        self.spare = (torch.empty_like(self.buffers[0]), torch.empty_like(self.buffers[1]))
+        # the static layout's reorder copies every row into a second pair of buffers, the dynamic one
+        # only the rows that change, in place
+        self.spare = (
+            (torch.empty_like(self.buffers[0]), torch.empty_like(self.buffers[1])) if cache.static else None
+        )
         self.keys, self.values = _first(self.buffers[0], first), _first(self.buffers[1], first)
         self.pending: Tensor | None = None  # a reorder not carried out yet (dynamic layout)
 
@@ -99,7 +102,7 @@ class LayerCache:
             return self.keys, self.values, cache.key_mask[:, None, None, :]
         start = cache.length
         if self.pending is not None:  # right before attention reads them: still in cache then
-            self._move(self.pending, start)
+            self._copy(self.pending, start)
             self.pending = None
         end = start + t
         self.keys[:, :, start:end] = k
@@ -121,9 +124,20 @@ class LayerCache:
         if sentences is not None:
             self.cross = (self.cross[0].index_select(0, sentences), self.cross[1].index_select(0, sentences))
 
+    def _copy(self, rows: Tensor, end: int) -> None:
+        """The dynamic layout's reorder of the first `end` positions, in place: only the rows that
+        change, their sources gathered first (one may be another's target)."""
+        changed = (rows != torch.arange(rows.size(0), device=rows.device)).nonzero().squeeze(1)
+        keys, values = _first(self.buffers[0], rows.size(0)), _first(self.buffers[1], rows.size(0))
+        if changed.numel():
+            sources = rows[changed]
+            keys[:, :, :end].index_copy_(0, changed, self.keys[:, :, :end].index_select(0, sources))
+            values[:, :, :end].index_copy_(0, changed, self.values[:, :, :end].index_select(0, sources))
+        self.keys, self.values = keys, values
+
     def _move(self, rows: Tensor, end: int) -> None:
-        """One copy of the first `end` positions of the rows `rows` into the spare buffers, which then
-        trade places with the layer's."""
+        """The static layout's reorder: one copy of the first `end` positions of the rows `rows` into
+        the spare buffers, which then trade places with the layer's."""
         spare_k, spare_v = _first(self.spare[0], rows.size(0)), _first(self.spare[1], rows.size(0))
         torch.index_select(self.keys[:, :, :end], 0, rows, out=spare_k[:, :, :end])
         torch.index_select(self.values[:, :, :end], 0, rows, out=spare_v[:, :, :end])
