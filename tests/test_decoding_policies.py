@@ -180,6 +180,25 @@ def test_a_draw_that_rounds_to_the_whole_mass_never_takes_a_token_of_none():
     assert sample_tokens(log_probs, SearchConfig(sampling=True), draws)[:, 0].tolist() == [9, 40]
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [{}, {"topk": 4}, {"topp": 0.85}, {"topk": 4, "topp": 0.85}],
+    ids=["plain", "topk", "topp", "both"],
+)
+def test_a_draw_stays_where_rounding_ranks_near_equal_probabilities_apart(shape):
+    """Two batches may round a distribution apart in its last bits, and two tokens of near-equal
+    probability then rank in another order: the same uniform numbers still take the same tokens."""
+    log_probs = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.1]).log()
+    one, other = log_probs.clone(), log_probs.clone()
+    one[1] += 1e-6  # token 1 ranks before token 2
+    other[2] += 1e-6  # token 2 before token 1
+    draws = (torch.arange(100, dtype=torch.float64) + 0.5) / 100  # none within rounding of a boundary
+    settings = SearchConfig(sampling=True, **shape)
+    picks = [sample_tokens(x.expand(100, -1), settings, draws)[:, 0].tolist() for x in (one, other)]
+    assert picks[0] == picks[1]
+    assert {1, 2} <= set(picks[0])  # the draws do fall on both
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_the_same_seed_samples_the_same_whatever_the_batches(static):
     model = tiny_model(seed=4)

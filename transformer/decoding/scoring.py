@@ -296,20 +296,24 @@ def sample_tokens(log_probs: Tensor, sampling: SearchConfig, draws: Tensor) -> T
     """(R, 1) tokens drawn from the distribution of log_probs (R, V) that ancestral sampling narrows
     (`SearchConfig`: softmax(logits / temperature), the `topk` most probable (0 = all), the smallest set
     whose probability reaches `topp` (1.0 = all)), by inverse transform with the uniform numbers draws
-    (R,). With top-k only the k best are ranked and summed; plain sampling sums the whole vocabulary
-    in float32, top-p in float64; a draw that rounding pushes to the sum takes the last entry of some
-    probability (never one of none, as the pieces outside a shortlist)."""
+    (R,) over the tokens kept in vocabulary order: near-equal probabilities that rounding ranks in
+    another order in another batch move no draw. With top-k only the k best are summed; plain sampling
+    sums the whole vocabulary in float32, top-p in float64; a draw that rounding pushes to the sum takes
+    the last entry of some probability (never one of none, as the pieces outside a shortlist)."""
     index = None  # the vocabulary ids of the columns kept, when not all of them
     logits = log_probs
     if 0 < sampling.topk < log_probs.size(-1):
         logits, index = log_probs.topk(sampling.topk, dim=-1)  # (R, k), best first
+        index, order = index.sort(dim=-1)  # (R, k) in vocabulary order
+        logits = logits.gather(1, order)
     precise = torch.float64 if index is not None or sampling.topp < 1.0 else torch.float32
     probs = (logits / sampling.temperature).softmax(dim=-1, dtype=precise)  # (R, k or V)
     if sampling.topp < 1.0:
-        if index is None:
-            probs, index = probs.sort(dim=-1, descending=True)
-        before = probs.cumsum(dim=-1) - probs  # mass of the more probable tokens
-        probs = probs.masked_fill(before >= sampling.topp, 0.0)  # the first always stays
+        ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+        beyond = (
+            ranked.cumsum(dim=-1) - ranked >= sampling.topp
+        )  # the more probable reach topp: the first stays
+        probs = probs.masked_fill(torch.empty_like(beyond).scatter_(1, order, beyond), 0.0)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]  # (R, 1) the kept mass
     target = torch.minimum(
