@@ -47,7 +47,10 @@ def test_its_parameters_load_under_todays_names_and_give_the_same_logits():
 
 
 @pytest.mark.parametrize(
-    "search, settings", [("beam4", {}), ("greedy", {"beam_size": 1}), ("int8", {"precision": "int8"})]
+    "search, settings",
+    # int8 quantizes the activations at every product, so attention's rounding can move its outputs: it
+    # decodes with the attention that code used on every x86 CPU, written out (cpu_kernels=on)
+    [("beam4", {}), ("greedy", {"beam_size": 1}), ("int8", {"precision": "int8", "cpu_kernels": "on"})],
 )
 def test_it_translates_line_for_line_as_before(search, settings):
     translator = Translator.from_checkpoint(DecodeConfig(checkpoint=str(OLD), device="cpu", **settings))
