@@ -310,9 +310,8 @@ def sample_tokens(log_probs: Tensor, sampling: SearchConfig, draws: Tensor) -> T
     probs = (logits / sampling.temperature).softmax(dim=-1, dtype=precise)  # (R, k or V)
     if sampling.topp < 1.0:
         ranked, order = probs.sort(dim=-1, descending=True, stable=True)
-        beyond = (
-            ranked.cumsum(dim=-1) - ranked >= sampling.topp
-        )  # the more probable reach topp: the first stays
+        # dropped: the tokens whose more probable ones reach topp (the first always stays)
+        beyond = ranked.cumsum(dim=-1) - ranked >= sampling.topp
         probs = probs.masked_fill(torch.empty_like(beyond).scatter_(1, order, beyond), 0.0)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]  # (R, 1) the kept mass
